@@ -1,0 +1,209 @@
+"""The CED engine: many LoRA adapters over one shared conversation history.
+
+A turn is `prefill` (the new user tokens through the adapter-free stage: encoder, global KV, H19) then `replay`
+(the last W positions through the decoder under the chosen adapter), then `generate`. A switch is a replay.
+The engine never copies the history per adapter and never recomputes anything adapter-free.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+from torch import Tensor
+
+from .adapters import AdapterRegistry, placement_violation
+from .lora import LoRAMapping, wrap_linears
+from .model import CEDForCausalLM, SharedOutput
+from .state import AdapterState, ConversationState, Selection, SharedState
+
+
+class ContextTooLongError(ValueError):
+    pass
+
+
+class StateError(RuntimeError):
+    """An engine call that does not fit the conversation's state (e.g. decoding with stale windows)."""
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = no top-k filter
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"bad sampling parameters: {self}")
+
+
+@dataclass
+class EngineStats:
+    prefilled_positions: int = 0  # through the adapter-free stage
+    replayed_positions: int = 0  # through the decoder by bounded replay
+    decoded_tokens: int = 0
+
+
+@dataclass
+class TurnResult:
+    logits: Tensor  # (V,) next-token logits under the adapter
+    h19: Tensor  # (n, C) H19 of the new tokens: what the router reads
+    replayed: int  # positions replayed
+
+
+class CEDEngine:
+    def __init__(self, model: CEDForCausalLM, max_adapters: int = 8, max_rank: int = 16,
+                 placement: str = "decoder", prefill_chunk: int = 256):
+        """`placement="decoder+first-attention"` is the unsafe switch that only the invariant tests use."""
+        self.model = model.eval()
+        self.config = model.ced
+        self.prefill_chunk = prefill_chunk
+        self.mapping = LoRAMapping()
+        modules = wrap_linears(model, lambda name: placement_violation(name, self.config, placement) is None,
+                               max_adapters, max_rank, self.mapping)
+        self.adapters = AdapterRegistry(modules, self.config, max_adapters, max_rank, placement)
+        self.stats = EngineStats()
+
+    # -- conversations --------------------------------------------------------------------------------------
+
+    def new_conversation(self) -> ConversationState:
+        E = self.config.decoder_start
+        shared = SharedState(self.model.new_windows(range(E + 1)), self.model.new_stores())
+        return ConversationState(shared, AdapterState(None, self.model.new_windows(self.config.adapter_bound_layers)))
+
+    @contextmanager
+    def _rows(self, adapters: Iterable[str | None]):
+        slots = [self.adapters.slot_of(name) for name in adapters]  # raises on unknown names before any work
+        self.mapping.row_slots = torch.tensor(slots, dtype=torch.long)
+        try:
+            yield
+        finally:
+            self.mapping.row_slots = None
+
+    def _check_tokens(self, state: ConversationState, tokens: list[int]) -> list[int]:
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise ValueError("no tokens given")
+        bad = [t for t in tokens if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} out of range 0..{self.config.vocab_size - 1}")
+        if state.length + len(tokens) > self.config.max_context:
+            raise ContextTooLongError(f"context would reach {state.length + len(tokens)} tokens, over the configured "
+                                      f"maximum of {self.config.max_context}")
+        return tokens
+
+    def _run_shared(self, state: ConversationState, tokens: list[int]) -> SharedOutput:
+        shared = state.shared
+        out = self.model.run_shared(torch.tensor([tokens]), shared.length, shared.windows, shared.globals)
+        W, k = self.config.window, self.config.index_top_k
+        selection = out.selection or Selection(torch.zeros(1, len(tokens), k, dtype=torch.long),
+                                               torch.zeros(1, len(tokens), k, dtype=torch.bool))
+        out.selection = selection
+        shared.stream = out.stream[:, -W:].clone() if shared.stream is None else \
+            torch.cat([shared.stream, out.stream], dim=1)[:, -W:].clone()
+        shared.selection = selection.keep_last(shared.selection, W)
+        shared.tokens.extend(tokens)
+        return out
+
+    # -- the verbs ------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, state: ConversationState, tokens: list[int]) -> Tensor:
+        """Encode new tokens through the adapter-free stage only (never the history again); returns H19 (n, C)."""
+        tokens = self._check_tokens(state, tokens)
+        h19 = []
+        with self._rows([None]):
+            for start in range(0, len(tokens), self.prefill_chunk):
+                h19.append(self._run_shared(state, tokens[start: start + self.prefill_chunk]).h19[0])
+        self.stats.prefilled_positions += len(tokens)
+        return torch.cat(h19)
+
+    @torch.inference_mode()
+    def replay(self, state: ConversationState, adapter: str | None) -> tuple[Tensor, int]:
+        """Drop the adapter-bound windows and rebuild them over the last W positions under `adapter`.
+
+        Returns the next-token logits (V,) and the number of positions replayed (min(W, context)).
+        """
+        if state.length == 0:
+            raise StateError("nothing to replay: the conversation is empty")
+        self.adapters.slot_of(adapter)  # an unknown adapter fails here, before the state is touched
+        shared, n = state.shared, min(self.config.window, state.length)
+        windows = self.model.new_windows(self.config.adapter_bound_layers)
+        selection = Selection(shared.selection.idx[:, -n:], shared.selection.valid[:, -n:])
+        with self._rows([adapter]):
+            hidden = self.model.run_decoder(shared.stream[:, -n:], state.length - n, selection, windows,
+                                            shared.globals[self.config.decoder_start])
+            logits = self.model.lm_head(hidden[:, -1])[0]
+        state.bound = AdapterState(adapter, windows, state.length)
+        self.stats.replayed_positions += n
+        return logits, n
+
+    @torch.inference_mode()
+    def step(self, state: ConversationState, token: int, adapter: str | None) -> Tensor:
+        """Append one token (both stages) under the adapter whose windows are current; returns logits (V,)."""
+        tokens = self._check_tokens(state, [token])
+        if state.bound.length != state.length or state.bound.adapter != adapter:
+            raise StateError(f"the adapter-bound windows are for {state.bound.adapter!r} at length "
+                             f"{state.bound.length}, not {adapter!r} at {state.length}: call replay first")
+        with self._rows([adapter]):
+            out = self._run_shared(state, tokens)
+            hidden = self.model.run_decoder(out.stream, state.length - 1, out.selection, state.bound.windows,
+                                            state.shared.globals[self.config.decoder_start])
+            logits = self.model.lm_head(hidden[:, -1])[0]
+        state.bound.length = state.length
+        self.stats.decoded_tokens += 1
+        return logits
+
+    def turn(self, state: ConversationState, tokens: list[int], adapter: str | None) -> TurnResult:
+        """A new user turn: prefill it, then bounded replay under `adapter` (a switch costs nothing more)."""
+        self.adapters.slot_of(adapter)
+        h19 = self.prefill(state, tokens)
+        logits, replayed = self.replay(state, adapter)
+        return TurnResult(logits, h19, replayed)
+
+    def generate(self, state: ConversationState, adapter: str | None, logits: Tensor, max_tokens: int,
+                 sampling: SamplingParams | None = None, stop_tokens: Iterable[int] = ()) -> Iterator[int]:
+        """Sample from `logits`, append, repeat; each yielded token is already part of the state."""
+        sampling, stop = sampling or SamplingParams(), set(stop_tokens)
+        generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        for _ in range(max_tokens):
+            if state.length >= self.config.max_context:
+                return
+            token = sample(logits, sampling, generator)
+            logits = self.step(state, token, adapter)
+            yield token
+            if token in stop:
+                return
+
+    # -- evaluation and batches -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def oracle(self, tokens: list[int], adapter: str | None) -> Tensor:
+        """Recompute the whole context under `adapter` in one pass: logits (T, V). Evaluation only."""
+        with self._rows([adapter]):
+            return self.model(torch.tensor([tokens]), chunk_size=self.prefill_chunk).logits[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, input_ids: Tensor, adapters: list[str | None]) -> Tensor:
+        """One forward pass over rows (B, T), each under its own adapter (None = base): logits (B, T, V)."""
+        if len(adapters) != input_ids.shape[0]:
+            raise ValueError(f"{input_ids.shape[0]} rows but {len(adapters)} adapters")
+        with self._rows(adapters):
+            return self.model(input_ids, chunk_size=self.prefill_chunk).logits
+
+
+def sample(logits: Tensor, sampling: SamplingParams, generator: torch.Generator | None = None) -> int:
+    if sampling.temperature == 0:
+        return int(logits.argmax())
+    probs = (logits.float() / sampling.temperature).softmax(-1)
+    if sampling.top_k:
+        kth = probs.topk(min(sampling.top_k, probs.numel())).values[-1]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if sampling.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > sampling.top_p * sorted_probs.sum()
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(outside, 0))
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))

@@ -1,0 +1,84 @@
+"""Multi-LoRA as fixed slots (as in Punica / S-LoRA / vLLM): stacked A/B buffers per wrapped Linear, a slot
+per loaded adapter, and one mapping that says which slot each batch row uses. Scaling is folded into B at load.
+
+Wrapping happens from outside the model (`wrap_linears`), so the model file knows nothing about adapters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class LoRAMapping:
+    """Which slot each row of the current batch uses; -1 (or None for the whole batch) means no adapter."""
+
+    row_slots: Tensor | None = None  # (B,) long
+
+
+class MultiLoRALinear(nn.Module):
+    def __init__(self, base: nn.Linear, n_slots: int, max_rank: int, mapping: LoRAMapping):
+        super().__init__()
+        self.base, self.mapping = base, mapping
+        dtype = base.weight.dtype
+        self.register_buffer("lora_a", torch.zeros(n_slots, max_rank, base.in_features, dtype=dtype), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(n_slots, base.out_features, max_rank, dtype=dtype),
+                             persistent=False)
+        self.register_buffer("in_use", torch.zeros(n_slots, dtype=torch.bool), persistent=False)
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+    def set_lora(self, slot: int, a: Tensor, b_scaled: Tensor) -> None:
+        rank = a.shape[0]
+        self.reset_lora(slot)
+        self.lora_a[slot, :rank] = a.to(self.lora_a.dtype)
+        self.lora_b[slot, :, :rank] = b_scaled.to(self.lora_b.dtype)
+        self.in_use[slot] = True
+
+    def reset_lora(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        self.in_use[slot] = False
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (B, T, in)
+        y = self.base(x)
+        slots = self.mapping.row_slots
+        if slots is None:
+            return y
+        active = (slots >= 0) & self.in_use[slots.clamp(min=0)]
+        if not bool(active.any()):
+            return y
+        rows = active.nonzero().squeeze(1)  # rows without an adapter are left untouched, bit for bit
+        a, b = self.lora_a[slots[rows]], self.lora_b[slots[rows]]  # (R, r, in), (R, out, r)
+        delta = torch.matmul(torch.matmul(x[rows], a.transpose(1, 2)), b.transpose(1, 2))  # (R, T, out)
+        return y.index_add(0, rows, delta)
+
+
+def lora_forward_reference(x: Tensor, base: nn.Linear, a: Tensor | None, b_scaled: Tensor | None) -> Tensor:
+    """Plain single-adapter LoRA, the reference the slotted path is tested against."""
+    y = base(x)
+    return y if a is None else y + (x @ a.T) @ b_scaled.T
+
+
+def wrap_linears(model: nn.Module, include: Callable[[str], bool], n_slots: int, max_rank: int,
+                 mapping: LoRAMapping) -> dict[str, MultiLoRALinear]:
+    """Replace every nn.Linear whose qualified name passes `include` by a MultiLoRALinear; returns them by name."""
+    wrapped = {}
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and include(name):
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            wrapper = MultiLoRALinear(module, n_slots, max_rank, mapping)
+            setattr(parent, child, wrapper)
+            wrapped[name] = wrapper
+    return wrapped

@@ -1,0 +1,319 @@
+"""The causal encoder-decoder model as a `transformers` custom model.
+
+Every layer: one softmax over its local window (the last W positions) and the top-k selected entries of the
+global KV of the nearest source layer at or below it, then a SwiGLU FFN. The forward is split in two stages so
+the engine can run them separately:
+
+- `run_shared`: layers 0..E-1 and the first decoder layer's attention. Adapter-free; writes encoder windows,
+  the global KV and the post-attention stream of layer E. Its layer E-1 output is H19.
+- `run_decoder`: layer E's FFN and layers E+1..L-1 from that stream, under whatever adapter is mapped.
+
+`forward(input_ids)` runs both over the whole sequence in chunks: it is the training path and the oracle.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutput
+
+from .config import CEDConfig, LayerRole
+from .state import GlobalKV, LocalWindow, Selection
+
+NEG_INF = float("-inf")
+
+
+class CEDPretrainedConfig(PretrainedConfig):
+    """`transformers` wrapper of CEDConfig: same fields, validated through the frozen dataclass."""
+
+    model_type = "ced"
+
+    def __init__(self, **kwargs):
+        ced_fields = {k: kwargs.pop(k) for k in list(kwargs) if k in CEDConfig.__dataclass_fields__ and k != "roles"}
+        if isinstance(ced_fields.get("dtype"), torch.dtype):
+            ced_fields["dtype"] = str(ced_fields["dtype"]).removeprefix("torch.")
+        ced = CEDConfig.from_dict(ced_fields)  # validates
+        for name, value in ced.to_dict().items():
+            if name != "dtype":  # PretrainedConfig owns `dtype`: passed through below
+                setattr(self, name, list(value) if isinstance(value, tuple) else value)
+        kwargs.setdefault("tie_word_embeddings", ced.tie_word_embeddings)
+        super().__init__(dtype=ced.dtype, **kwargs)
+
+    @property
+    def ced(self) -> CEDConfig:
+        names = [f for f, spec in CEDConfig.__dataclass_fields__.items() if spec.init]
+        values = {name: getattr(self, name) for name in names}
+        if isinstance(values["dtype"], torch.dtype):
+            values["dtype"] = str(values["dtype"]).removeprefix("torch.")
+        return CEDConfig.from_dict(values)
+
+    @classmethod
+    def from_ced(cls, ced: CEDConfig) -> "CEDPretrainedConfig":
+        return cls(**ced.to_dict())
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def apply_rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
+    """Rotate x (..., T, D) by absolute positions (T,): pairs (i, i + D/2), as in Llama."""
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # (T, D/2)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class BlockCompressor(nn.Module):
+    """Source layers only: pools each completed block of m inputs into one global K/V entry and one indexer key."""
+
+    def __init__(self, config: CEDConfig):
+        super().__init__()
+        self.gate = nn.Linear(config.hidden_size, config.n_heads, bias=False)  # per-head pooling logits
+        self.index_key = nn.Linear(config.hidden_size, config.index_dim, bias=False)
+
+
+class Indexer(nn.Module):
+    """Index layers only: a ReLU-scored lightning indexer that picks the top-k global entries per query."""
+
+    def __init__(self, config: CEDConfig):
+        super().__init__()
+        self.heads, self.dim, self.top_k = config.index_heads, config.index_dim, config.index_top_k
+        self.query = nn.Linear(config.hidden_size, config.index_heads * config.index_dim, bias=False)
+        self.weight = nn.Linear(config.hidden_size, config.index_heads, bias=False)
+
+    def select(self, xn: Tensor, index_keys: Tensor, positions: Tensor, block_size: int) -> Selection:
+        B, T, _ = xn.shape
+        q = self.query(xn).view(B, T, self.heads, self.dim)  # (B, T, h, I)
+        scores = torch.einsum("bthi,bni->bthn", q, index_keys).relu()  # (B, T, h, N)
+        scores = (scores * self.weight(xn).unsqueeze(-1)).sum(2)  # (B, T, N)
+        block_end = (torch.arange(index_keys.shape[1], device=xn.device) + 1) * block_size - 1
+        scores = scores.masked_fill(block_end[None, None, :] > positions[None, :, None], NEG_INF)
+        # Top-k by a stable sort, ties to the most recent block: the choice must not depend on how many queries
+        # share the call (one-pass vs token by token), and ReLU scores tie at zero often.
+        n, k = index_keys.shape[1], min(self.top_k, index_keys.shape[1])
+        values, order = scores.flip(-1).sort(dim=-1, descending=True, stable=True)
+        values, idx = values[..., :k], n - 1 - order[..., :k]  # (B, T, k)
+        valid = values > NEG_INF
+        if k < self.top_k:  # fewer completed blocks than top_k: pad with invalid slots
+            pad = self.top_k - k
+            idx, valid = F.pad(idx, (0, pad)), F.pad(valid, (0, pad))
+        return Selection(idx, valid)
+
+
+class CEDAttention(nn.Module):
+    def __init__(self, config: CEDConfig, role: LayerRole):
+        super().__init__()
+        self.config, self.role = config, role
+        C, H, D = config.hidden_size, config.n_heads, config.head_dim
+        self.q_proj = nn.Linear(C, H * D, bias=False)
+        self.k_proj = nn.Linear(C, H * D, bias=False)
+        self.v_proj = nn.Linear(C, H * D, bias=False)
+        self.o_proj = nn.Linear(H * D, C, bias=False)
+        self.compressor = BlockCompressor(config) if role.is_source else None
+        self.indexer = Indexer(config) if role.is_index else None
+
+    def _heads(self, x: Tensor) -> Tensor:  # (B, T, H*D) -> (B, T, H, D)
+        return x.view(*x.shape[:2], self.config.n_heads, self.config.head_dim)
+
+    def compress(self, xn: Tensor, store: GlobalKV) -> None:
+        """Append the global entries of every block that completes in this chunk; keep the rest as pending."""
+        m, B = self.config.block_size, xn.shape[0]
+        rows = xn if store.pending is None else torch.cat([store.pending, xn], dim=1)
+        n_blocks = rows.shape[1] // m
+        store.pending = rows[:, n_blocks * m:].clone()
+        if n_blocks == 0:
+            return
+        blocks = rows[:, : n_blocks * m].reshape(B, n_blocks, m, -1)  # (B, N', m, C)
+        k = self._heads(self.k_proj(blocks).flatten(1, 2)).view(B, n_blocks, m, self.config.n_heads, -1)
+        v = self._heads(self.v_proj(blocks).flatten(1, 2)).view(B, n_blocks, m, self.config.n_heads, -1)
+        weights = self.compressor.gate(blocks).softmax(dim=2).unsqueeze(-1)  # (B, N', m, H, 1)
+        k_entry, v_entry = (weights * k).sum(2), (weights * v).sum(2)  # (B, N', H, D)
+        block_end = (torch.arange(n_blocks, device=xn.device) + store.n_entries + 1) * m - 1
+        k_entry = apply_rope(k_entry.transpose(1, 2), block_end, self.config.rope_theta).transpose(1, 2)
+        index_keys = self.compressor.index_key(blocks.mean(2))  # (B, N', I)
+        store.add_entries(k_entry, v_entry, index_keys)
+
+    def forward(self, xn: Tensor, positions: Tensor, window: LocalWindow, store: GlobalKV | None,
+                selection: Selection | None) -> tuple[Tensor, Selection | None]:
+        """xn: (B, T, C) normalized input at `positions`; `window` holds the keys just before positions[0]."""
+        B, T, _ = xn.shape
+        theta = self.config.rope_theta
+        q = apply_rope(self._heads(self.q_proj(xn)).transpose(1, 2), positions, theta)  # (B, H, T, D)
+        k = apply_rope(self._heads(self.k_proj(xn)).transpose(1, 2), positions, theta)
+        v = self._heads(self.v_proj(xn)).transpose(1, 2)
+        if self.compressor is not None:
+            self.compress(xn, store)
+        if self.indexer is not None:  # a new choice over this layer's source; none before the first block ends
+            has_entries = store is not None and store.n_entries > 0
+            selection = self.indexer.select(xn, store.index_keys, positions, self.config.block_size) \
+                if has_entries else None
+
+        past = len(window)
+        keys = k if past == 0 else torch.cat([window.k, k], dim=2)  # (B, H, S, D)
+        values = v if past == 0 else torch.cat([window.v, v], dim=2)
+        window.append(k, v)
+        key_pos = torch.arange(positions[0] - past, positions[-1] + 1, device=xn.device)  # (S,)
+        scale = 1.0 / math.sqrt(self.config.head_dim)
+        local = torch.matmul(q, keys.transpose(-1, -2)) * scale  # (B, H, T, S)
+        distance = positions[:, None] - key_pos[None, :]
+        local = local.masked_fill((distance < 0) | (distance >= self.config.window), NEG_INF)
+
+        use_global = store is not None and store.n_entries > 0 and selection is not None
+        if use_global:
+            rows = torch.arange(B, device=xn.device)[:, None, None]
+            k_sel, v_sel = store.k[rows, selection.idx], store.v[rows, selection.idx]  # (B, T, k, H, D)
+            glob = torch.einsum("bhtd,btkhd->bhtk", q, k_sel) * scale  # (B, H, T, k)
+            glob = glob.masked_fill(~selection.valid[:, None], NEG_INF)
+            probs = torch.cat([local, glob], dim=-1).softmax(dim=-1)
+            out = torch.matmul(probs[..., :local.shape[-1]], values)  # (B, H, T, D)
+            out = out + torch.einsum("bhtk,btkhd->bhtd", probs[..., local.shape[-1]:], v_sel)
+        else:
+            out = torch.matmul(local.softmax(dim=-1), values)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), selection
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: CEDConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.ffn_hidden, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.ffn_hidden, bias=False)
+        self.down_proj = nn.Linear(config.ffn_hidden, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class CEDLayer(nn.Module):
+    def __init__(self, config: CEDConfig, role: LayerRole):
+        super().__init__()
+        self.role = role
+        self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.attn = CEDAttention(config, role)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def attention_block(self, x, positions, window, store, selection):
+        out, selection = self.attn(self.attn_norm(x), positions, window, store, selection)
+        return x + out, selection
+
+    def ffn_block(self, x: Tensor) -> Tensor:
+        return x + self.mlp(self.mlp_norm(x))
+
+
+@dataclass
+class SharedOutput:
+    h19: Tensor  # (B, T, C): output of the last encoder layer
+    stream: Tensor  # (B, T, C): residual stream after the first decoder layer's attention
+    selection: Selection | None  # the first decoder layer's top-k choice for these positions
+
+
+class CEDPreTrainedModel(PreTrainedModel):
+    config_class = CEDPretrainedConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["CEDLayer"]
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+
+
+class CEDModel(CEDPreTrainedModel):
+    def __init__(self, config: CEDPretrainedConfig):
+        super().__init__(config)
+        ced = config.ced
+        self.embed_tokens = nn.Embedding(ced.vocab_size, ced.hidden_size)
+        self.layers = nn.ModuleList(CEDLayer(ced, role) for role in ced.roles)
+        self.norm = RMSNorm(ced.hidden_size, ced.norm_eps)
+        self.post_init()
+
+
+class CEDForCausalLM(CEDPreTrainedModel):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: CEDPretrainedConfig):
+        super().__init__(config)
+        self.ced = config.ced
+        self.model = CEDModel(config)
+        self.lm_head = nn.Linear(self.ced.hidden_size, self.ced.vocab_size, bias=False)
+        self.post_init()
+
+    @classmethod
+    def from_ced(cls, ced: CEDConfig, seed: int | None = None) -> "CEDForCausalLM":
+        if seed is not None:
+            torch.manual_seed(seed)
+        return cls(CEDPretrainedConfig.from_ced(ced)).to(ced.torch_dtype)
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    # -- the two stages ------------------------------------------------------------------------------------
+
+    def run_shared(self, input_ids: Tensor, start: int, windows: dict[int, LocalWindow],
+                   stores: dict[int, GlobalKV]) -> SharedOutput:
+        """Layers 0..E-1 and layer E's attention over input_ids (B, T) at positions start.., appending to state."""
+        E = self.ced.decoder_start
+        positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+        x, selection, h19 = self.model.embed_tokens(input_ids), None, None
+        for layer in self.model.layers[: E + 1]:
+            role = layer.role
+            store = stores[role.global_source] if role.global_source is not None else None
+            x, selection = layer.attention_block(x, positions, windows[role.index], store, selection)
+            if role.index == E:
+                break
+            x = layer.ffn_block(x)
+            if role.index == E - 1:
+                h19 = x
+        return SharedOutput(h19, x, selection)
+
+    def run_decoder(self, stream: Tensor, start: int, selection: Selection | None,
+                    windows: dict[int, LocalWindow], first_decoder_store: GlobalKV) -> Tensor:
+        """Layer E's FFN and layers E+1..L-1 from the post-attention stream (B, T, C); returns final hidden."""
+        E = self.ced.decoder_start
+        positions = torch.arange(start, start + stream.shape[1], device=stream.device)
+        x = self.model.layers[E].ffn_block(stream)
+        for layer in self.model.layers[E + 1:]:
+            x, selection = layer.attention_block(x, positions, windows[layer.role.index], first_decoder_store,
+                                                 selection)
+            x = layer.ffn_block(x)
+        return self.model.norm(x)
+
+    def new_windows(self, layers) -> dict[int, LocalWindow]:
+        return {i: LocalWindow(self.ced.window) for i in layers}
+
+    def new_stores(self) -> dict[int, GlobalKV]:
+        return {i: GlobalKV() for i in self.ced.source_layers}
+
+    def forward(self, input_ids: Tensor, labels: Tensor | None = None, chunk_size: int = 256,
+                **unused) -> CausalLMOutput:
+        """The whole sequence in chunks of `chunk_size` queries (training and the oracle). Labels are shifted."""
+        windows, stores = self.new_windows(range(self.ced.n_layers)), self.new_stores()
+        hidden = []
+        for start in range(0, input_ids.shape[1], chunk_size):
+            chunk = input_ids[:, start: start + chunk_size]
+            shared = self.run_shared(chunk, start, windows, stores)
+            hidden.append(self.run_decoder(shared.stream, start, shared.selection, windows,
+                                           stores[self.ced.decoder_start]))
+        logits = self.lm_head(torch.cat(hidden, dim=1))
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        return CausalLMOutput(loss=loss, logits=logits)

@@ -1,0 +1,125 @@
+"""A conversation's state, split the way DESIGN §1 splits it: what every adapter shares, and what one adapter owns.
+
+The model owns no conversation state: each stage reads and appends to these small objects. Everything is a
+tensor with batch dimension 1 (one conversation); byte counts are the tensors' own sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+def _nbytes(*tensors: Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _cat_keep_last(old: Tensor | None, new: Tensor, dim: int, keep: int) -> Tensor:
+    joined = new if old is None else torch.cat([old, new], dim=dim)
+    return joined.narrow(dim, max(0, joined.shape[dim] - keep), min(keep, joined.shape[dim])).clone()
+
+
+@dataclass
+class LocalWindow:
+    """Keys (after RoPE) and values of one layer for the last `size` positions that precede the next query."""
+
+    size: int
+    k: Tensor | None = None  # (B, H, n, D), n <= size
+    v: Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: Tensor, v: Tensor) -> None:
+        self.k = _cat_keep_last(self.k, k, 2, self.size)
+        self.v = _cat_keep_last(self.v, v, 2, self.size)
+
+    def nbytes(self) -> int:
+        return _nbytes(self.k, self.v)
+
+
+@dataclass
+class GlobalKV:
+    """One source layer's compressed global KV: one entry per completed block of m tokens, plus the partial block."""
+
+    k: Tensor | None = None  # (B, N, H, D), RoPE'd at each block's last position
+    v: Tensor | None = None  # (B, N, H, D)
+    index_keys: Tensor | None = None  # (B, N, I)
+    pending: Tensor | None = None  # (B, p, C) normalized inputs of the block not yet complete, p < m
+
+    @property
+    def n_entries(self) -> int:
+        return 0 if self.k is None else self.k.shape[1]
+
+    def add_entries(self, k: Tensor, v: Tensor, index_keys: Tensor) -> None:
+        if k.shape[1] == 0:
+            return
+        cat = lambda old, new: new if old is None else torch.cat([old, new], dim=1)  # noqa: E731
+        self.k, self.v, self.index_keys = cat(self.k, k), cat(self.v, v), cat(self.index_keys, index_keys)
+
+    def nbytes(self) -> int:
+        return _nbytes(self.k, self.v, self.index_keys, self.pending)
+
+
+@dataclass
+class Selection:
+    """The top-k global entries chosen for each query position: indices into a GlobalKV and their validity."""
+
+    idx: Tensor  # (B, T, k) long
+    valid: Tensor  # (B, T, k) bool: False where fewer than k completed blocks precede the query
+
+    def keep_last(self, previous: "Selection | None", keep: int) -> "Selection":
+        """This selection appended to `previous`, trimmed to the last `keep` positions."""
+        prev_idx, prev_valid = (None, None) if previous is None else (previous.idx, previous.valid)
+        return Selection(_cat_keep_last(prev_idx, self.idx, 1, keep), _cat_keep_last(prev_valid, self.valid, 1, keep))
+
+    def nbytes(self) -> int:
+        return _nbytes(self.idx, self.valid)
+
+
+@dataclass
+class SharedState:
+    """Adapter-free: encoder windows, the first decoder layer's window and post-attention stream, the global KV."""
+
+    windows: dict[int, LocalWindow]  # layers 0..E (the first decoder layer's attention is adapter-free)
+    globals: dict[int, GlobalKV]  # per source layer
+    stream: Tensor | None = None  # (B, n<=W, C): residual stream after layer E's attention; replay starts here
+    selection: Selection | None = None  # layer E's top-k choice for the same n positions
+    tokens: list[int] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def nbytes(self) -> int:
+        windows = sum(w.nbytes() for w in self.windows.values())
+        globals_ = sum(g.nbytes() for g in self.globals.values())
+        selection = self.selection.nbytes() if self.selection is not None else 0
+        return windows + globals_ + _nbytes(self.stream) + selection + 8 * len(self.tokens)
+
+
+@dataclass
+class AdapterState:
+    """Owned by the adapter that last ran the decoder: local windows of layers E+1..L-1, at most W positions each."""
+
+    adapter: str | None
+    windows: dict[int, LocalWindow]
+    length: int = 0  # the context length these windows are current for
+
+    def nbytes(self) -> int:
+        return sum(w.nbytes() for w in self.windows.values())
+
+
+@dataclass
+class ConversationState:
+    shared: SharedState
+    bound: AdapterState
+
+    @property
+    def length(self) -> int:
+        return self.shared.length
+
+    def nbytes(self) -> dict[str, int]:
+        return {"shared": self.shared.nbytes(), "adapter_bound": self.bound.nbytes()}

@@ -1,0 +1,130 @@
+"""The model zoo: one small model per family, each with its own real tokenizer, trained briefly on offline text.
+
+Cached under artifacts/heterofold/zoo/<family>/ (weights, tokenizer tables, training log); reproducible from a
+fixed seed. A quarter of the training sequences are "Question: s / Repeat: s" pairs so the models learn to copy,
+which the question-reconstruction evaluation relies on.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from . import corpus
+from .families import FAMILIES, Adapter, FamilySpec
+from .tokenizer import TextTokenizer
+
+ROOT = Path("artifacts/heterofold")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 500          # optimizer steps
+    batch: int = 8            # sequences per step
+    seq_len: int = 256        # tokens per sequence
+    lr: float = 3e-3
+    vocab_size: int = 8192    # compact embedding rows (real ids beyond the most frequent map to unknown)
+    copy_frac: float = 0.25   # share of "Question: s / Repeat: s" sequences
+    seed: int = 0
+    threads: int = 1
+
+
+def repeat_prompt(question: str) -> str:
+    return f"Question: {question}\nRepeat:"
+
+
+def _sequences(tok: TextTokenizer, docs: list[str], cfg: TrainConfig, rng: random.Random):
+    """Endless stream of seq_len id windows, mixing plain text and copy pairs."""
+    sents = corpus.sentences(docs)
+    stream: list[int] = []
+    while True:
+        if rng.random() < cfg.copy_frac:
+            s = rng.choice(sents)
+            stream += tok.ids(f"{repeat_prompt(s)} {s}\n\n")
+        else:
+            stream += tok.ids(rng.choice(docs)[:4000] + "\n\n")
+        while len(stream) >= cfg.seq_len:
+            yield stream[: cfg.seq_len]
+            stream = stream[cfg.seq_len:]
+
+
+def train(model, tok: TextTokenizer, docs: list[str], cfg: TrainConfig, desc: str = "train") -> list[float]:
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    stream = _sequences(tok, docs, cfg, rng)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    model.train()
+    losses = []
+    bar = tqdm(range(cfg.steps), desc=desc, mininterval=2)
+    for step in bar:
+        lr = cfg.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x = torch.tensor([next(stream) for _ in range(cfg.batch)])
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss))
+        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+    model.eval()
+    return losses
+
+
+@dataclass
+class ZooModel:
+    spec: FamilySpec
+    model: torch.nn.Module
+    tok: TextTokenizer
+
+    @property
+    def adapter(self) -> Adapter:
+        return Adapter(self.model, self.spec)
+
+    def set_attn(self, impl: str) -> None:
+        self.model.config._attn_implementation = impl
+        for m in self.model.modules():
+            if hasattr(m, "config") and m.config is not self.model.config:
+                m.config._attn_implementation = impl
+
+
+def load_or_train(family: str, root: Path = ROOT, cfg: TrainConfig | None = None) -> ZooModel:
+    cfg = cfg or TrainConfig()
+    spec = FAMILIES[family]
+    out = root / "zoo" / family
+    docs = corpus.build(root / "corpus.json")["train"]
+    if (out / "model.safetensors").exists():
+        tok = TextTokenizer.load(out / "tokenizer")
+        model = spec.build(tok.vocab_size, seed=cfg.seed)
+        model.load_state_dict(load_file(out / "model.safetensors"), strict=False)
+        model.tie_weights()
+        return ZooModel(spec, model.eval(), tok)
+    torch.set_num_threads(cfg.threads)
+    t0 = time.time()
+    tok = TextTokenizer.build(spec.tokenizer, docs[:3000], cfg.vocab_size)
+    model = spec.build(tok.vocab_size, seed=cfg.seed)
+    losses = train(model, tok, docs, cfg, desc=f"train {family}")
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(out / "tokenizer")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if "lm_head" not in k},
+              out / "model.safetensors")
+    (out / "train_log.json").write_text(json.dumps({"config": cfg.__dict__, "losses": losses,
+                                                    "seconds": time.time() - t0,
+                                                    "params": sum(p.numel() for p in model.parameters())}))
+    return ZooModel(spec, model, tok)
+
+
+def load_zoo(families=("llama", "qwen3", "mistral"), root: Path = ROOT) -> dict[str, ZooModel]:
+    return {f: load_or_train(f, root) for f in families}
+
+
+if __name__ == "__main__":
+    load_zoo()
