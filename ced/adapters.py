@@ -94,6 +94,7 @@ class AdapterConfig:
             "modules_to_save": bool(values.get("modules_to_save")),
             "rank_pattern": bool(values.get("rank_pattern")),
             "alpha_pattern": bool(values.get("alpha_pattern")),
+            "lora_bias": bool(values.get("lora_bias")),
         }
         bad = sorted(name for name, is_bad in unsupported.items() if is_bad)
         if bad:

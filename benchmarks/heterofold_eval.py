@@ -1,0 +1,98 @@
+"""HeteroFold quality benchmark: every direction among the zoo's three families, every method, one table.
+
+    python -m benchmarks.heterofold_eval [--quick] [--json PATH] [--plot PATH] [--directions llama:qwen3,...]
+
+Columns: direction, method, next_token_kl, attention_kl, top1_agreement, mc_agreement, mc_accuracy, recon_f1
+(see heterofold/evaluate.py for the definitions). Fits every method from the same calibration samples.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from heterofold.baselines import ALL_METHODS, fit_method
+from heterofold.evaluate import Direction, EvalConfig, evaluate, make_items
+from heterofold import corpus
+from heterofold.pipeline import DIRECTIONS, collect_direction
+from heterofold.zoo import ROOT, load_zoo
+
+QUICK_METHODS = ["text_reprefill", "heterofold", "kv_ridge_ta", "dense_latent_ta", "abl_index_pairing"]
+COLUMNS = ["direction", "method", "next_token_kl", "attention_kl", "top1_agreement", "mc_agreement",
+           "mc_accuracy", "recon_f1"]
+
+
+def markdown(rows: list[dict], cols=COLUMNS) -> str:
+    fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "text_reprefill"]
+    dirs = list(dict.fromkeys(r["direction"] for r in rows))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for ax, metric in zip(axes, ["next_token_kl", "attention_kl", "top1_agreement"]):
+        w = 0.8 / len(methods)
+        for i, m in enumerate(methods):
+            vals = [next((r[metric] for r in rows if r["direction"] == d and r["method"] == m), 0) for d in dirs]
+            ax.bar([x + i * w for x in range(len(dirs))], vals, w, label=m)
+        ax.set_xticks([x + 0.4 - w / 2 for x in range(len(dirs))], dirs, rotation=30, fontsize=7)
+        ax.set_title(metric)
+    axes[0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="one direction, main methods, small sets (1-2 min)")
+    p.add_argument("--json", help="write the rows as a JSON list")
+    p.add_argument("--plot", default="artifacts/heterofold/heterofold_eval.png")
+    p.add_argument("--directions", help="comma list of SENDER:RECEIVER (default: all six)")
+    p.add_argument("--methods", help="comma list (default: all, or the main ones with --quick)")
+    p.add_argument("--n-train", type=int, default=None)
+    p.add_argument("--n-held", type=int, default=None)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dirs = ([tuple(d.split(":")) for d in args.directions.split(",")] if args.directions
+            else ([("llama", "qwen3")] if args.quick else DIRECTIONS))
+    methods = args.methods.split(",") if args.methods else (QUICK_METHODS if args.quick else ALL_METHODS)
+    n_train = args.n_train or (32 if args.quick else 96)
+    n_held = args.n_held or (8 if args.quick else 24)
+    ecfg = EvalConfig(n_docs=8, n_mc=8, n_recon=6) if args.quick else EvalConfig()
+    zoo = load_zoo()
+    items = make_items(corpus.build(ROOT / "corpus.json")["heldout"], ecfg)
+    rows = []
+    for s_name, r_name in dirs:
+        t0 = time.time()
+        s, r = zoo[s_name], zoo[r_name]
+        r.set_attn("eager")                       # attention weights for attention_kl
+        train, held, _ = collect_direction(s, r, n_train, n_held)
+        mappers = {m: (None if m == "text_reprefill" else fit_method(m, s.adapter, r.adapter, train, held)[0])
+                   for m in methods}
+        t1 = time.time()
+        for row in evaluate(Direction(s, r), mappers, items):
+            rows.append({"direction": f"{s_name}->{r_name}", **row})
+        r.set_attn("sdpa")
+        print(f"[{s_name}->{r_name}] fit {t1 - t0:.0f}s, eval {time.time() - t1:.0f}s", flush=True)
+    print(markdown(rows))
+    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+    plot(rows, Path(args.plot))
+    print(f"plot: {args.plot}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1082 @@
+"""Deterministic text corpus from offline real text, grouped by domain.
+
+Sources (each can be pointed elsewhere through `CorpusConfig`, and each one that is missing on a machine is
+reported in the manifest and skipped):
+
+| source             | domain  | what                                                                      |
+|--------------------|---------|---------------------------------------------------------------------------|
+| `debian`           | general | package descriptions: apt list files `*_Packages*` (names, sections, short |
+|                    |         | descriptions) joined with `*_i18n_Translation-en*` (long descriptions)    |
+| `man`              | general | man pages (gzipped troff, sections 1-8) rendered to plain text            |
+| `pydoc`            | general | docstrings of the Python standard library, one document per module      |
+| `man-agent`        | agent   | instruction -> shell command pairs from man pages: NAME line -> SYNOPSIS, |
+|                    |         | EXAMPLES prose -> command, option description -> `cmd -x`                |
+| `apt-agent`        | agent   | "install <what the package is>" -> `apt-get install <package>`           |
+| `stdlib`           | coding  | Python standard library sources (the running interpreter's)              |
+| `fortunes`         | chat    | fortune cookies as one user/assistant exchange each                       |
+| `design`           | design  | CSS, SVG, HTML, GtkBuilder (.ui) and Glade files found on the machine    |
+
+Output (`build_corpus(out, config)`): `<domain>.train.jsonl` and `<domain>.valid.jsonl` for every domain in
+`DOMAINS` (empty files where a domain got nothing), one JSON object per line with keys `id`, `domain`,
+`source`, `text` and, for conversational documents, `turns` (a list of `[role, text]`, roles `user` and
+`assistant`; `text` then renders them as "User: ...\\nAssistant: ..." lines). `manifest.json` holds the
+builder version, the settings, per-source counts (files, documents, bytes before and after the cap), per
+domain/split counts and the sha256 of every output file.
+
+Determinism: files are visited in sorted order, symlinks are skipped, every choice (split, size cap, prompt
+template) is a hash of the document id and `seed`, and records are written sorted by id with sorted keys. The
+manifest holds no time stamps and no output path, so two builds from the same inputs are byte-identical.
+A document goes to validation when the hash of its id falls under `valid_fraction` (`split_of`).
+"""
+from __future__ import annotations
+
+import ast
+import bz2
+import gzip
+import hashlib
+import inspect
+import json
+import lzma
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import unicodedata
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+from tqdm import tqdm
+
+BUILDER_VERSION = "1.0"
+DOMAINS = ("chat", "agent", "coding", "design", "general")
+MB = 1 << 20
+
+DEFAULT_CAPS = {  # bytes of document text kept per source, chosen by hash order when a source has more
+    "debian": 30 * MB,
+    "man": 35 * MB,
+    "pydoc": 6 * MB,
+    "man-agent": 10 * MB,
+    "apt-agent": 3 * MB,
+    "stdlib": 30 * MB,
+    "fortunes": 8 * MB,
+    "design": 12 * MB,
+}
+DESIGN_SUFFIXES = (".css", ".svg", ".html", ".htm", ".ui", ".glade")
+APT_HELPER = "/usr/lib/apt/apt-helper"  # decompresses apt's list files (.lz4 among them)
+
+
+def _default_stdlib() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+@dataclass
+class CorpusConfig:
+    man_root: Path | None = Path("/usr/share/man")  # holds man1..man8; translated subfolders are not read
+    fortune_root: Path | None = Path("/usr/share/games/fortunes")  # top level only (not off/)
+    stdlib_root: Path | None = field(default_factory=_default_stdlib)  # site-packages is never read
+    design_roots: tuple[Path, ...] = (Path("/usr/share"),)  # searched recursively for DESIGN_SUFFIXES
+    apt_lists: Path | None = Path("/var/lib/apt/lists")  # *_Packages* and *_i18n_Translation-en* files
+    valid_fraction: float = 0.02  # share of documents (by id hash) in the validation split
+    seed: int = 0  # salts every hash-based choice
+    caps: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_CAPS))  # per source, bytes of text
+    max_doc_bytes: int = 256 * 1024  # longer documents are cut at a line boundary
+    max_file_bytes: int = 1 * MB  # larger source files are skipped unread
+    man_family_cap: int = 250  # most pages per family (name up to the first - _ .), e.g. 16k gcloud_* pages
+    man_sections: tuple[str, ...] = ("1", "2", "3", "4", "5", "6", "7", "8")
+    agent_sections: tuple[str, ...] = ("1", "6", "8")  # pages whose synopsis is a shell command
+    agent_pairs_per_page: int = 40
+
+    def __post_init__(self):
+        for name in ("man_root", "fortune_root", "stdlib_root", "apt_lists"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, Path(value))
+        self.design_roots = tuple(Path(p) for p in self.design_roots)
+        assert 0.0 <= self.valid_fraction < 1.0, self.valid_fraction
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        return {k: (str(v) if isinstance(v, Path) else [str(p) for p in v] if k == "design_roots" else v)
+                for k, v in d.items()}
+
+
+@dataclass
+class Doc:
+    id: str  # "<source>:<stable name>", unique over the corpus
+    domain: str
+    source: str
+    text: str
+    turns: list[tuple[str, str]] | None = None  # conversational documents only
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.text.encode("utf-8"))
+
+    def record(self) -> dict:
+        r = {"id": self.id, "domain": self.domain, "source": self.source, "text": self.text}
+        if self.turns is not None:
+            r["turns"] = [[role, text] for role, text in self.turns]
+        return r
+
+
+@dataclass
+class SourceStats:
+    domain: str
+    status: str = "ok"  # ok | missing | empty
+    reason: str = ""
+    inputs: list[str] = field(default_factory=list)  # roots or files read
+    files_scanned: int = 0
+    files_skipped: int = 0  # unreadable, undecodable, too large, aliases, duplicates
+    documents_before_cap: int = 0
+    bytes_before_cap: int = 0
+    documents: int = 0
+    bytes: int = 0
+
+
+class SourceMissing(Exception):
+    """The source's root is absent or holds nothing usable on this machine."""
+
+
+# --------------------------------------------------------------------------------------------- hashing
+
+
+def _unit_hash(key: str) -> float:
+    """A stable number in [0, 1) from a string (first 8 bytes of its sha256)."""
+    return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big") / 2.0**64
+
+
+def split_of(doc_id: str, valid_fraction: float = 0.02, seed: int = 0) -> str:
+    """'valid' for about `valid_fraction` of ids, 'train' otherwise; depends on nothing but its arguments."""
+    return "valid" if _unit_hash(f"split:{seed}:{doc_id}") < valid_fraction else "train"
+
+
+def _pick(options: tuple[str, ...], key: str) -> str:
+    return options[int(_unit_hash(f"pick:{key}") * len(options))]
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------ file walking
+
+
+def _walk_sorted(root: Path, skip_dirs: frozenset[str] = frozenset()) -> Iterator[Path]:
+    """Regular files under root in sorted order, symlinks (files and folders) skipped."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames
+                             if d not in skip_dirs and not os.path.islink(os.path.join(dirpath, d)))
+        for name in sorted(filenames):
+            p = Path(dirpath, name)
+            if not p.is_symlink() and p.is_file():
+                yield p
+
+
+def _decode(data: bytes, strict: bool = False) -> str | None:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None if strict else data.decode("latin-1")
+
+
+def _clean(text: str) -> str:
+    text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\x00", "")
+    return "\n".join(line.rstrip() for line in text.split("\n")).strip("\n")
+
+
+def _truncate(text: str, max_bytes: int) -> str:
+    data = text.encode("utf-8")
+    if len(data) <= max_bytes:
+        return text
+    cut = data[:max_bytes].decode("utf-8", errors="ignore")
+    nl = cut.rfind("\n")
+    return cut[:nl] if nl > 0 else cut
+
+
+def _chat_text(turns: list[tuple[str, str]]) -> str:
+    return "\n".join(f"{role.capitalize()}: {text}" for role, text in turns)
+
+
+# ------------------------------------------------------------------------------------- troff to text
+
+_NAMED_CHARS = {
+    "em": "—", "en": "–", "hy": "-", "mi": "-", "bu": "•", "aq": "'", "dq": '"', "lq": "“", "rq": "”",
+    "oq": "‘", "cq": "’", "co": "©", "rg": "®", "tm": "™", "de": "°", "mu": "×", "di": "÷", "+-": "±",
+    "<=": "≤", ">=": "≥", "!=": "≠", "->": "→", "<-": "←", "ua": "↑", "da": "↓", "sc": "§", "ps": "¶",
+    "dg": "†", "ga": "`", "aa": "´", "ti": "~", "ha": "^", "ba": "|", "bv": "|", "br": "│", "ul": "_",
+    "rs": "\\", "sl": "/", "pl": "+", "eq": "=", "fm": "′", "Fo": "«", "Fc": "»", "ss": "ß", "ae": "æ",
+    "AE": "Æ", "o/": "ø", "O/": "Ø", "Po": "£", "Eu": "€", "eu": "€", "ct": "¢", "12": "½", "14": "¼",
+    "34": "¾", "at": "@", "sh": "#", "Do": "$", "lB": "[", "rB": "]", "lC": "{", "rC": "}", "la": "⟨",
+    "ra": "⟩", "pc": "·", "md": "·", "**": "*", "fi": "fi", "fl": "fl", "ff": "ff", "ci": "○", "sq": "□",
+    "OK": "✓", "tno": "~", "bq": "„", "Bq": "„", "Sd": "ð", "TP": "þ", "<>": "↔", "if": "∞", "*p": "π",
+}
+_ACCENTS = {"'": "\u0301", "`": "\u0300", "^": "\u0302", ":": "\u0308", "~": "\u0303", ",": "\u0327",
+            "o": "\u030a", "v": "\u030c"}
+_STRINGS = {"lq": "“", "rq": "”", 'L"': "“", 'R"': "”", "C`": "'", "C'": "'", "Tm": "™", "R": "®",
+            "Aq": "'", "aq": "'", "dq": '"', "Lq": "“", "Rq": "”", "PI": "π", "ga": "`", "S": ""}
+_ONE_CHAR = {"-": "-", "e": "\\", "\\": "\\", "~": " ", "0": " ", " ": " ", "t": "\t", ".": ".",
+             "'": "'", "`": "`", "_": "_", "[": "[", "]": "]", "/": "", ",": ""}
+_ESCAPE = re.compile(r"""\\(?:
+    (?P<comment>["#].*)
+  | f(?:\[[^\]]*\]|\(..|.)
+  | s[-+]?(?:\(\d\d|\[[^\]]*\]|'[^']*'|\d)
+  | \((?P<char2>..)
+  | \[(?P<charb>[^\]]*)\]
+  | \*(?:\[(?P<strb>[^\]]*)\]|\((?P<str2>..)|(?P<str1>.))
+  | [nmgkFMYV](?:\[[^\]]*\]|\(..|.)
+  | N'(?P<num>\d+)'
+  | [hvwlLxoDbZHSRXAB]'[^']*'
+  | \$(?:\d|\*|@)
+  | (?P<one>.)
+)""", re.X)
+_MDOC_DROP = frozenset(
+    "Ar Cm Pa Em Sy Li Dv Ev Va Fn Fa Ft Fo Fc In Ic Er St Ad Cd An Ql Dq Sq Pq Qq Do Dc Sx Lk Mt Tn Aq"
+    " Bq Brq Ux Bx Nx Fx Ox At Bsx No Pf Ta Ms Vt Ap Eq Sc So Qo Qc Po Pc Bo Bc".split())
+
+
+def _named_char(name: str) -> str:
+    if name.startswith("u") and len(name) >= 5 and all(c in "0123456789ABCDEFabcdef" for c in name[1:5]):
+        try:
+            return "".join(chr(int(part, 16)) for part in name[1:].split("_"))
+        except ValueError:
+            return ""
+    if name in _NAMED_CHARS:
+        return _NAMED_CHARS[name]
+    if len(name) == 2 and name[0] in _ACCENTS and name[1].isalpha():
+        return unicodedata.normalize("NFC", name[1] + _ACCENTS[name[0]])
+    return ""
+
+
+def _split_args(s: str) -> list[str]:
+    """Split a request's arguments like troff: spaces separate, double quotes group, escapes kept whole."""
+    args, cur, i, quoted, started = [], [], 0, False, False
+    while i < len(s):
+        c = s[i]
+        if c == "\\" and i + 1 < len(s):
+            cur.append(s[i:i + 2])
+            started, i = True, i + 2
+            continue
+        if quoted:
+            if c == '"':
+                if s[i + 1:i + 2] == '"':
+                    cur.append('"')
+                    i += 2
+                    continue
+                quoted = False
+            else:
+                cur.append(c)
+        elif c in " \t":
+            if started:
+                args.append("".join(cur))
+                cur, started = [], False
+        elif c == '"' and not started:
+            quoted = started = True
+        else:
+            cur.append(c)
+            started = True
+        i += 1
+    if started:
+        args.append("".join(cur))
+    return args
+
+
+@dataclass
+class ManBlock:
+    heading: str  # the section (NAME, SYNOPSIS, ...)
+    tag: str | None  # .TP/.IP tag, e.g. "-a, --all"
+    text: str
+    nofill: bool  # a literal block (.nf/.EX): line breaks are meaningful
+
+
+@dataclass
+class ManPage:
+    name: str  # file stem, e.g. "ls"
+    section: str
+    title: str
+    blocks: list[ManBlock]
+
+    def heading_blocks(self, *names: str) -> list[ManBlock]:
+        return [b for b in self.blocks if b.heading in names]
+
+    def render(self) -> str:
+        out, heading = [f"{self.title}({self.section})"], None
+        for b in self.blocks:
+            if b.heading != heading:
+                out += ["", b.heading]
+                heading = b.heading
+            if b.tag and b.text:
+                bullet = len(b.tag) <= 2 and not any(c.isalnum() for c in b.tag)
+                out.append(f"{b.tag} {b.text}" if bullet else f"{b.tag}\n    " + b.text.replace("\n", "\n    "))
+            else:
+                out.append(b.tag or b.text)
+            out.append("")
+        return re.sub(r"\n{3,}", "\n\n", "\n".join(out)).strip()
+
+
+class _ManParser:
+    """A small man(7)/mdoc(7) to plain-text converter: enough for prose, tags, synopses and examples."""
+
+    def __init__(self, name: str, section: str):
+        self.page = ManPage(name, section, name.upper(), [])
+        self.strings = dict(_STRINGS)
+        self.heading = ""
+        self.lines: list[str] = []
+        self.nofill = False
+        self.tag: str | None = None
+        self.want_tag = False
+        self.want_heading = False
+        self.skip_until: str | None = None  # ".." after .de/.ig, ".EN" after .EQ
+        self.skip_depth = 0  # open \{ blocks of a skipped .el branch
+        self.table: str | None = None  # "format" or "rows" inside .TS/.TE
+
+    # inline escapes
+    def _escape(self, m: re.Match) -> str:
+        if m.group("comment") is not None:
+            return ""
+        for g in ("char2", "charb"):
+            if m.group(g) is not None:
+                return _named_char(m.group(g))
+        for g in ("strb", "str2", "str1"):
+            if m.group(g) is not None:
+                return self.text(self.strings.get(m.group(g), ""))
+        if m.group("num") is not None:
+            n = int(m.group("num"))
+            return chr(n) if 32 <= n < 0x110000 else ""
+        one = m.group("one")
+        if one is not None:
+            return _ONE_CHAR.get(one, "" if one.isalnum() or one in "&|^)%:{}!?c" else one)
+        return ""
+
+    def text(self, s: str) -> str:
+        return _ESCAPE.sub(self._escape, s) if "\\" in s else s
+
+    # paragraph assembly
+    def emit(self, s: str):
+        if self.want_heading:
+            self.flush()
+            self.heading, self.want_heading = s.strip().upper(), False
+        elif self.want_tag:
+            s = re.sub(r"\s+", " ", s).strip()
+            self.tag = f"{self.tag}, {s}" if self.tag else s
+            self.want_tag = False
+        elif self.nofill or self.table:
+            self.lines.append(s.rstrip())
+        elif s.strip():
+            self.lines.append(s.strip())
+
+    def flush(self):
+        if self.lines and any(x.strip() for x in self.lines):
+            if self.nofill or self.table:
+                text = "\n".join(self.lines).strip("\n")
+            else:
+                text = re.sub(r"\s+", " ", " ".join(self.lines)).strip()
+            self.page.blocks.append(ManBlock(self.heading, self.tag, text, self.nofill or bool(self.table)))
+        elif self.tag:
+            self.page.blocks.append(ManBlock(self.heading, self.tag, "", False))
+        self.lines, self.tag = [], None
+
+    # requests
+    def request(self, line: str):
+        body = line[1:].lstrip()
+        m = re.match(r"(\S+)\s*(.*)", body)
+        if not m:
+            return
+        req, rest = m.group(1), m.group(2)
+        args = _split_args(rest)
+        targs = [self.text(a) for a in args]
+        if req in ("SH", "Sh"):
+            self.flush()
+            if targs:
+                self.heading = " ".join(targs).strip().upper()
+            else:
+                self.want_heading = True
+        elif req in ("SS", "Ss"):
+            self.flush()
+            if targs:
+                self.emit(" ".join(targs))
+                self.flush()
+        elif req == "TH" or req == "Dt":
+            if targs:
+                self.page.title = targs[0]
+            if len(targs) > 1:
+                self.page.section = targs[1]
+        elif req in ("PP", "LP", "P", "Pp", "sp", "br", "HP", "RS", "RE", "in", "ti", "Bl", "El", "ne"):
+            self.flush()
+        elif req in ("TP", "It"):
+            self.flush()
+            if req == "It" and args:
+                self.tag = self._mdoc(args)
+            else:
+                self.want_tag = True
+        elif req == "TQ":
+            self.want_tag = True
+        elif req == "IP":
+            self.flush()
+            self.tag = targs[0].strip() if targs and targs[0].strip() else None
+        elif req in ("nf", "EX", "Bd", "D1", "Dl"):
+            self.flush()
+            self.nofill = True
+            if req in ("D1", "Dl"):
+                self.emit(self._mdoc(args))
+                self.flush()
+                self.nofill = False
+        elif req in ("fi", "EE", "Ed"):
+            self.flush()
+            self.nofill = False
+        elif req in ("B", "I", "SM", "SB", "Nd", "UE", "ME"):
+            if targs:
+                self.emit(("- " if req == "Nd" else "") + " ".join(targs))
+        elif req in ("BR", "BI", "IB", "IR", "RB", "RI"):
+            self.emit("".join(targs))
+        elif req == "SY":
+            self.flush()
+            self.emit(" ".join(targs))
+        elif req == "OP":
+            self.emit("[" + " ".join(targs) + "]")
+        elif req == "ds" and args:
+            name, _, value = rest.partition(" ")
+            self.strings[name.strip()] = value[1:] if value.startswith('"') else value
+        elif req in ("de", "de1", "am", "ig"):
+            self.skip_until = ".."
+        elif req == "EQ":
+            self.skip_until = ".EN"
+        elif req == "TS":
+            self.flush()
+            self.table = "format"
+        elif req == "TE":
+            self.flush()
+            self.table = None
+        elif req in ("if", "ie"):
+            cond_rest = re.match(r"(\S+)\s*(.*)", rest)
+            if cond_rest:
+                inner = cond_rest.group(2)
+                inner = inner[2:].lstrip() if inner.startswith("\\{") else inner
+                if inner.startswith("\\\n") or inner in ("\\", ""):
+                    return
+                self.line(inner)
+        elif req == "el":
+            if "\\{" in rest:
+                self.skip_depth = rest.count("\\{") - rest.count("\\}")
+        elif req == "Nm":
+            if args and self.page.title == self.page.name.upper():
+                self.page.title = args[0]
+            self.emit(self._mdoc(args) if args else self.page.title)
+        elif req == "Fl" or (len(req) in (2, 3) and req[0].isupper() and req[1:].islower() and req in _MDOC_DROP):
+            self.emit(self._mdoc([req] + args))
+
+    def _mdoc(self, args: list[str]) -> str:
+        out, prefix, close = [], "", 0
+        for a in args:
+            if a == "Fl":
+                prefix = "-"
+            elif a in ("Op", "Oo"):
+                out.append("[")
+                close += a == "Op"
+            elif a == "Oc":
+                out.append("]")
+            elif a in _MDOC_DROP or a == "Ns" or a == "Xr":
+                continue
+            else:
+                out.append(prefix + self.text(a))
+                prefix = ""
+        if prefix:
+            out.append(prefix)
+        out += ["]"] * close
+        return re.sub(r"\[ ", "[", re.sub(r" \]", "]", " ".join(out)))
+
+    def line(self, line: str):
+        if self.skip_until is not None:
+            if line.strip().startswith(self.skip_until):
+                self.skip_until = None
+            return
+        if self.skip_depth > 0:
+            self.skip_depth += line.count("\\{") - line.count("\\}")
+            return
+        if line.startswith((".", "'")):
+            if line[1:].lstrip().startswith(('\\"', "\\#")):
+                return
+            self.request(line)
+            return
+        if self.table == "format":
+            if line.rstrip().endswith("."):
+                self.table = "rows"
+            return
+        if self.table == "rows":
+            line = line.replace("T{", "").replace("T}", "").replace("\t", "  ")
+        if not line.strip():
+            if not self.nofill:
+                self.flush()
+            else:
+                self.lines.append("")
+            return
+        if line.startswith((" ", "\t")) and not self.nofill and not self.table:
+            self.flush()
+        self.emit(self.text(line))
+
+    def finish(self) -> ManPage:
+        self.flush()
+        return self.page
+
+
+def parse_man(src: str, name: str, section: str) -> ManPage | None:
+    """Parse a man page's troff source; None for an alias page (`.so other.1`)."""
+    for raw in src.split("\n", 50)[:50]:
+        if raw.startswith(".so "):
+            return None
+    p = _ManParser(name, section)
+    src = re.sub(r"(?<!\\)((?:\\\\)*)\\\n", r"\1", src.replace("\r\n", "\n"))  # escaped newlines join lines
+    for line in src.split("\n"):
+        p.line(line)
+    page = p.finish()
+    _merge_option_tags(page)
+    return page
+
+
+def _merge_option_tags(page: ManPage):
+    """DocBook pages write an option as its own paragraph followed by an indented body: make it a tag."""
+    merged: list[ManBlock] = []
+    for b in page.blocks:
+        prev = merged[-1] if merged else None
+        if (prev is not None and prev.tag is None and not prev.nofill and b.tag is None and not b.nofill
+                and prev.heading == b.heading and prev.text.startswith("-") and len(prev.text) < 60
+                and "\n" not in prev.text and b.text and not b.text.startswith("-")):
+            merged[-1] = ManBlock(b.heading, prev.text, b.text, False)
+        else:
+            merged.append(b)
+    page.blocks = merged
+
+
+# -------------------------------------------------------------------------------- build context
+
+
+def _fill(stats: SourceStats, inputs: list[str], counts: dict):
+    stats.inputs = list(inputs)
+    stats.files_scanned, stats.files_skipped = counts["files_scanned"], counts["files_skipped"]
+
+
+class _Context:
+    """Holds the config and caches scans that several sources share (man pages, stdlib files)."""
+
+    def __init__(self, config: CorpusConfig, progress: bool):
+        self.config = config
+        self.progress = progress
+        self._debian: tuple[list[dict], dict] | SourceMissing | None = None
+
+    def debian_records(self, stats: SourceStats) -> list[dict]:
+        """Package records from the apt lists, read once for the two sources that use them."""
+        if self._debian is None:
+            probe = SourceStats("general")
+            try:
+                records = _debian_packages(self, probe)
+                self._debian = records, {"files_scanned": probe.files_scanned, "files_skipped": probe.files_skipped}
+                self._debian_inputs = probe.inputs
+            except SourceMissing as e:
+                self._debian = e
+        if isinstance(self._debian, SourceMissing):
+            raise self._debian
+        records, counts = self._debian
+        _fill(stats, self._debian_inputs, counts)
+        return records
+
+    def bar(self, items, desc: str, total: int | None = None):
+        return tqdm(items, desc=desc, total=total, unit="file", disable=not self.progress, leave=False,
+                    dynamic_ncols=True)
+
+    @cached_property
+    def man_pages(self) -> tuple[list[tuple[str, ManPage]], dict]:
+        """[(relative path, page)] after the per-family cap, plus scan counts."""
+        root = self.config.man_root
+        if root is None or not root.is_dir():
+            raise SourceMissing(f"no man page folder at {root}")
+        files = []
+        for sec in self.config.man_sections:
+            d = root / f"man{sec}"
+            if d.is_dir():
+                files += [p for p in sorted(d.iterdir()) if p.is_file() and not p.is_symlink()]
+        if not files:
+            raise SourceMissing(f"no man pages under {root}/man[{''.join(self.config.man_sections)}]")
+        families: dict[str, list[Path]] = {}
+        for p in files:
+            families.setdefault(re.split(r"[-_.]", p.name, maxsplit=1)[0], []).append(p)
+        chosen = []
+        for fam, paths in families.items():
+            paths = sorted(paths, key=lambda p: _unit_hash(f"family:{self.config.seed}:{p.name}"))
+            chosen += paths[: self.config.man_family_cap]
+        chosen.sort()
+        counts = {"files_scanned": len(files), "files_skipped": len(files) - len(chosen)}
+        pages = []
+        for p in self.bar(chosen, "man pages"):
+            stem = p.name[:-3] if p.name.endswith(".gz") else p.name
+            try:
+                data = gzip.decompress(p.read_bytes()) if p.name.endswith(".gz") else p.read_bytes()
+            except (OSError, EOFError, gzip.BadGzipFile):
+                counts["files_skipped"] += 1
+                continue
+            name, _, sec = stem.rpartition(".")
+            page = parse_man(_decode(data), name or stem, sec or p.parent.name[3:])
+            if page is None or not page.blocks:
+                counts["files_skipped"] += 1
+                continue
+            pages.append((f"{p.parent.name}/{stem}", page))
+        return pages, counts
+
+    @cached_property
+    def stdlib_files(self) -> tuple[list[tuple[str, str]], dict]:
+        """[(path relative to the stdlib, source text)] for every readable .py file, plus scan counts."""
+        root = self.config.stdlib_root
+        if root is None or not root.is_dir():
+            raise SourceMissing(f"no Python standard library at {root}")
+        paths = [p for p in _walk_sorted(root, frozenset({"site-packages", "dist-packages", "__pycache__"}))
+                 if p.suffix == ".py"]
+        if not paths:
+            raise SourceMissing(f"no .py files under {root}")
+        out, skipped = [], 0
+        for p in self.bar(paths, "stdlib"):
+            if p.stat().st_size > self.config.max_file_bytes:
+                skipped += 1
+                continue
+            text = _decode(p.read_bytes(), strict=True)
+            if text is None or not text.strip():
+                skipped += 1
+                continue
+            out.append((p.relative_to(root).as_posix(), text))
+        return out, {"files_scanned": len(paths), "files_skipped": skipped}
+
+
+# ------------------------------------------------------------------------------------------ sources
+
+
+def _read_list_file(path: Path) -> str:
+    """An apt list file as text, whatever its compression."""
+    suffix = path.suffix
+    if suffix == ".gz":
+        data = gzip.decompress(path.read_bytes())
+    elif suffix == ".xz":
+        data = lzma.decompress(path.read_bytes())
+    elif suffix == ".bz2":
+        data = bz2.decompress(path.read_bytes())
+    elif suffix in (".lz4", ".zst"):
+        if not os.access(APT_HELPER, os.X_OK):
+            raise OSError(f"{path.name}: needs {APT_HELPER} to decompress")
+        data = subprocess.run([APT_HELPER, "cat-file", str(path)], check=True, capture_output=True).stdout
+    else:
+        data = path.read_bytes()
+    return _decode(data)
+
+
+def _deb822(text: str) -> Iterator[dict[str, str]]:
+    for para in re.split(r"\n[ \t]*\n", text):
+        rec: dict[str, str] = {}
+        key = None
+        for line in para.split("\n"):
+            if line[:1] in (" ", "\t") and key:
+                rec[key] += "\n" + line
+            elif ":" in line:
+                key, _, value = line.partition(":")
+                rec[key] = value.strip()
+        if rec:
+            yield rec
+
+
+def _long_description(lines: str) -> str:
+    """Debian's long-description markup: one leading space, ' .' for a blank line."""
+    out = []
+    for line in lines.split("\n"):
+        line = line[1:] if line.startswith(" ") else line
+        out.append("" if line.strip() == "." else line)
+    return "\n".join(out).strip()
+
+
+def _debian_packages(ctx: _Context, stats: SourceStats) -> list[dict]:
+    """One record per package: name, section, short and long description."""
+    lists = ctx.config.apt_lists
+    if lists is None or not lists.is_dir():
+        raise SourceMissing(f"no apt list folder at {lists}")
+    pkg_files = sorted(p for p in lists.iterdir() if re.search(r"_Packages(\.\w+)?$", p.name))
+    tr_files = sorted(p for p in lists.iterdir() if re.search(r"_i18n_Translation-en(\.\w+)?$", p.name))
+    if not pkg_files:
+        raise SourceMissing(f"no *_Packages files in {lists} (run apt-get update)")
+    stats.inputs = [p.name for p in pkg_files + tr_files]
+    long_by_md5: dict[str, str] = {}
+    packages: dict[str, dict] = {}
+    for path in ctx.bar(pkg_files + tr_files, "apt lists"):
+        stats.files_scanned += 1
+        try:
+            text = _read_list_file(path)
+        except (OSError, subprocess.CalledProcessError, EOFError, lzma.LZMAError):
+            stats.files_skipped += 1
+            continue
+        for rec in _deb822(text):
+            desc = rec.get("Description-en") or rec.get("Description")
+            if not desc or "Package" not in rec:
+                continue
+            short, _, rest = desc.partition("\n")
+            md5 = rec.get("Description-md5") or hashlib.md5((desc + "\n").encode()).hexdigest()
+            if rest.strip():
+                long_by_md5.setdefault(md5, _long_description(rest))
+            if "Description-en" in rec:
+                continue
+            cand = {"name": rec["Package"], "section": rec.get("Section", ""), "short": short.strip(),
+                    "md5": md5, "version": rec.get("Version", "")}
+            old = packages.get(cand["name"])
+            if old is None or (cand["version"], cand["md5"]) < (old["version"], old["md5"]):
+                packages[cand["name"]] = cand
+    records = []
+    for name in sorted(packages):
+        rec = packages[name]
+        rec["long"] = long_by_md5.get(rec["md5"], "")
+        records.append(rec)
+    return records
+
+
+def source_debian(ctx: _Context, stats: SourceStats) -> Iterator[Doc]:
+    seen_long: set[str] = set()
+    for rec in ctx.debian_records(stats):
+        head = f"{rec['name']} ({rec['section']}): {rec['short']}" if rec["section"] else f"{rec['name']}: {rec['short']}"
+        body = rec["long"]
+        text = head if not body or body in seen_long else f"{head}\n\n{body}"
+        seen_long.add(body)
+        yield Doc(f"debian:{rec['name']}", "general", "debian", text)
+
+
+_APT_PROMPTS = ("Install {what}.", "How do I install {what}?", "I need {what} on this Debian machine.",
+                "Set up {what}, please.", "Get me {what}.")
+_APT_ANSWERS = ("apt-get install {pkg}", "sudo apt-get install {pkg}", "apt-get install -y {pkg}",
+                "sudo apt install {pkg}")
+_APT_SKIP_SECTIONS = {"libs", "libdevel", "oldlibs", "debug", "localization", "introspection"}
+
+
+def source_apt_agent(ctx: _Context, stats: SourceStats) -> Iterator[Doc]:
+    for rec in ctx.debian_records(stats):
+        if rec["section"].split("/")[-1] in _APT_SKIP_SECTIONS or not rec["short"]:
+            continue
+        what = _lc_first(rec["short"])
+        turns = [("user", _pick(_APT_PROMPTS, "apt-q:" + rec["name"]).format(what=what.rstrip("."))),
+                 ("assistant", _pick(_APT_ANSWERS, "apt-a:" + rec["name"]).format(pkg=rec["name"]))]
+        yield Doc(f"apt-agent:{rec['name']}", "agent", "apt-agent", _chat_text(turns), turns)
+
+
+def source_man(ctx: _Context, stats: SourceStats) -> Iterator[Doc]:
+    pages, counts = ctx.man_pages
+    _fill(stats, [str(ctx.config.man_root)], counts)
+    for rel, page in pages:
+        yield Doc(f"man:{rel}", "general", "man", page.render())
+
+
+_SYNOPSIS_PROMPTS = ("{Desc}.", "Which command should I use to {desc}?", "Show me the command to {desc}.",
+                     "Command for this: {desc}.", "I want to {desc}. What do I run?")
+_OPTION_PROMPTS = ("With {cmd}: {what}", "Which {cmd} option does this: {what}", "{cmd} flag for: {what}",
+                   "How do I make {cmd} {what_lc}?")
+
+
+def _lc_first(s: str) -> str:
+    """Lower-case the first letter unless the first word is an acronym ("APT", "GNU")."""
+    return s[:1].lower() + s[1:] if s[1:2].islower() or len(s) == 1 else s
+
+
+def _first_sentence(text: str, limit: int = 200) -> str:
+    s = re.split(r"(?<=[.!?])\s+(?=[A-Z(])|\n", text.strip(), maxsplit=1)[0].strip()
+    return s if len(s) <= limit else ""
+
+
+def man_agent_turns(page: ManPage, max_pairs: int, key: str) -> list[tuple[str, str]]:
+    """Instruction -> command pairs from one man page (synopsis, examples, options), at most max_pairs."""
+    names = page.heading_blocks("NAME")
+    name_line = names[0].text.split("\n")[0] if names else ""
+    cmd_part, sep, desc = name_line.partition(" - ")
+    cmd = (cmd_part.split(",")[0].strip() if sep else "") or page.name
+    pairs: list[tuple[str, str]] = []
+    syn = page.heading_blocks("SYNOPSIS")
+    desc = desc.strip().rstrip(".")
+    syn = [b for b in syn if (b.tag or b.text).startswith(cmd.split()[0])]
+    if syn and desc and syn[0].text:
+        command = re.sub(r"\s+", " ", (syn[0].tag + " " if syn[0].tag else "") + syn[0].text).strip()
+        if len(command) > 300:
+            command = command[:300].rsplit(" ", 1)[0] + " ..."
+        tmpl = _pick(_SYNOPSIS_PROMPTS, "syn:" + key)
+        pairs.append((tmpl.format(Desc=desc[:1].upper() + desc[1:], desc=_lc_first(desc)), command))
+    blocks = page.blocks
+    for i, b in enumerate(blocks[:-1]):  # EXAMPLES: prose ending in ':' followed by a literal block
+        nxt = blocks[i + 1]
+        if "EXAMPLE" in b.heading and not b.nofill and b.text.endswith(":") and nxt.nofill:
+            lines = [re.sub(r"^\s*[$#%] ", "", x).strip() for x in nxt.text.split("\n") if x.strip()][:6]
+            ask = re.sub(r"[,:]?\s*(run|type|use|do|enter)?:$", "", b.text).strip()
+            if lines and 10 <= len(ask) <= 400:
+                pairs.append((ask, "\n".join(lines)))
+    for b in blocks:
+        if not b.tag or not b.text or b.nofill:
+            continue
+        what = _first_sentence(b.text)
+        if len(what) < 8:
+            continue
+        if b.tag.startswith("-"):
+            forms = [f.strip() for f in b.tag.split(", ") if f.strip().startswith("-")]
+            command = f"{cmd} " + next((f for f in forms if re.search(r"[=\s\[]", f)), forms[0])
+        elif ("COMMAND" in b.heading or "GROUP" in b.heading) and re.fullmatch(r"[\w.-]+", b.tag):
+            command = f"{cmd} {b.tag}"
+        else:
+            continue
+        tmpl = _pick(_OPTION_PROMPTS, f"opt:{key}:{b.tag}")
+        pairs.append((tmpl.format(cmd=cmd, what=what, what_lc=_lc_first(what).rstrip(".")), command))
+    turns = []
+    for q, a in pairs[:max_pairs]:
+        turns += [("user", q), ("assistant", a)]
+    return turns
+
+
+def source_man_agent(ctx: _Context, stats: SourceStats) -> Iterator[Doc]:
+    pages, counts = ctx.man_pages
+    _fill(stats, [str(ctx.config.man_root)], counts)
+    for rel, page in pages:
+        if rel.split("/")[0][3:] not in ctx.config.agent_sections:
+            continue
+        turns = man_agent_turns(page, ctx.config.agent_pairs_per_page, rel)
+        if turns:
+            yield Doc(f"man-agent:{rel}", "agent", "man-agent", _chat_text(turns), turns)
+
+
+def source_stdlib(ctx: _Context, stats: SourceStats) -> Iterator[Doc]:
+    files, counts = ctx.stdlib_files
+    _fill(stats, [str(ctx.config.stdlib_root)], counts)
+    for rel, text in files:
+        yield Doc(f"stdlib:{rel}", "coding", "stdlib", f"# {rel}\n{text}")
+
+
+def _module_docs(rel: str, source: str) -> str | None:
+    """pydoc-like text: the module docstring, then each public class and function with its signature."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None
+    modname = rel[:-3].replace("/", ".").removesuffix(".__init__")
+    parts = [f"Module {modname}"]
+    if (doc := ast.get_docstring(tree)):
+        parts.append(doc)
+
+    def visit(nodes, prefix: str, depth: int):
+        for node in nodes:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if node.name.startswith("_") and node.name != "__init__":
+                    continue
+                doc = ast.get_docstring(node)
+                if isinstance(node, ast.ClassDef):
+                    bases = ", ".join(ast.unparse(b) for b in node.bases)
+                    sig = f"class {prefix}{node.name}" + (f"({bases})" if bases else "")
+                else:
+                    sig = f"{prefix}{node.name}({ast.unparse(node.args)})"
+                if doc:
+                    parts.append(sig + "\n    " + inspect.cleandoc(doc).replace("\n", "\n    "))
+                if isinstance(node, ast.ClassDef) and depth == 0:
+                    visit(node.body, f"{prefix}{node.name}.", 1)
+
+    visit(tree.body, "", 0)
+    return "\n\n".join(parts) if len(parts) > 1 else None
+
+
+def source_pydoc(ctx: _Context, stats: SourceStats) -> Iterator[Doc]:
+    files, counts = ctx.stdlib_files
+    _fill(stats, [str(ctx.config.stdlib_root)], counts)
+    for rel, text in files:
+        if re.search(r"(^|/)(tests?|idle_test)/", rel):
+            continue
+        doc = _module_docs(rel, text)
+        if doc:
+            yield Doc(f"pydoc:{rel}", "general", "pydoc", doc)
+
+
+_FORTUNE_PROMPTS = ("Tell me something.", "Got a fortune for me?", "Say something witty.", "Share a quote.",
+                    "Cheer me up.", "What's on your mind?", "Give me a thought for the day.",
+                    "Tell me something about {topic}.", "Do you know anything funny about {topic}?",
+                    "Any wisdom on {topic}?")
+
+
+def source_fortunes(ctx: _Context, stats: SourceStats) -> Iterator[Doc]:
+    root = ctx.config.fortune_root
+    if root is None or not root.is_dir():
+        raise SourceMissing(f"no fortune folder at {root} (apt-get install -y fortunes fortunes-min)")
+    stats.inputs = [str(root)]
+    files = [p for p in sorted(root.iterdir())
+             if p.is_file() and not p.is_symlink() and p.suffix not in (".dat", ".u8", ".pdat")]
+    for path in ctx.bar(files, "fortunes"):
+        stats.files_scanned += 1
+        entries = re.split(r"^%[ \t]*$", _decode(path.read_bytes()), flags=re.M)
+        topic = path.name.replace("-", " and ").replace("_", " ")
+        for i, entry in enumerate(entries):
+            entry = _clean(entry)
+            if not entry.strip():
+                continue
+            doc_id = f"fortunes:{path.name}:{i:05d}"
+            turns = [("user", _pick(_FORTUNE_PROMPTS, doc_id).format(topic=topic)), ("assistant", entry)]
+            yield Doc(doc_id, "chat", "fortunes", _chat_text(turns), turns)
+
+
+def source_design(ctx: _Context, stats: SourceStats) -> Iterator[Doc]:
+    roots = [r for r in ctx.config.design_roots if r.is_dir()]
+    if not roots:
+        raise SourceMissing(f"none of the design roots exist: {[str(r) for r in ctx.config.design_roots]}")
+    stats.inputs = [str(r) for r in roots]
+    seen: set[str] = set()
+    for root in roots:
+        paths = [p for p in _walk_sorted(root, frozenset({"site-packages", "__pycache__"}))
+                 if p.suffix.lower() in DESIGN_SUFFIXES]
+        for p in ctx.bar(paths, f"design {root}"):
+            stats.files_scanned += 1
+            if p.stat().st_size > ctx.config.max_file_bytes:
+                stats.files_skipped += 1
+                continue
+            data = p.read_bytes()
+            digest = hashlib.sha256(data).hexdigest()
+            text = _decode(data, strict=True)
+            if text is None or digest in seen or not text.strip():
+                stats.files_skipped += 1
+                continue
+            seen.add(digest)
+            yield Doc(f"design:{root.name}/{p.relative_to(root).as_posix()}", "design", "design", text)
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str
+    domain: str
+    fn: Callable[[_Context, SourceStats], Iterable[Doc]]
+
+
+SOURCES = (
+    Source("debian", "general", source_debian),
+    Source("man", "general", source_man),
+    Source("pydoc", "general", source_pydoc),
+    Source("man-agent", "agent", source_man_agent),
+    Source("apt-agent", "agent", source_apt_agent),
+    Source("stdlib", "coding", source_stdlib),
+    Source("fortunes", "chat", source_fortunes),
+    Source("design", "design", source_design),
+)
+
+
+
+
+# ------------------------------------------------------------------------------------------- build
+
+
+def _apply_cap(docs: list[Doc], cap: int | None, seed: int) -> list[Doc]:
+    """Keep documents in hash order until the byte cap; the result is sorted by id."""
+    if cap is None or sum(d.nbytes for d in docs) <= cap:
+        return sorted(docs, key=lambda d: d.id)
+    kept, total = [], 0
+    for d in sorted(docs, key=lambda d: _unit_hash(f"cap:{seed}:{d.id}")):
+        if total + d.nbytes <= cap:
+            kept.append(d)
+            total += d.nbytes
+    return sorted(kept, key=lambda d: d.id)
+
+
+def build_corpus(out: str | Path, config: CorpusConfig | None = None, progress: bool = True,
+                 sources: Iterable[Source] = SOURCES) -> dict:
+    """Build every source, write the per-domain split files and manifest.json under `out`; return the manifest."""
+    config = config or CorpusConfig()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = _Context(config, progress)
+    per_domain: dict[str, list[Doc]] = {d: [] for d in DOMAINS}
+    source_stats: dict[str, SourceStats] = {}
+    seen_ids: set[str] = set()
+    for src in tqdm(list(sources), desc="sources", unit="source", disable=not progress, dynamic_ncols=True):
+        stats = source_stats[src.name] = SourceStats(src.domain)
+        try:
+            docs = []
+            for d in src.fn(ctx, stats):
+                text = _truncate(_clean(d.text), config.max_doc_bytes)
+                if text.strip():
+                    d.text = text
+                    docs.append(d)
+        except SourceMissing as e:
+            stats.status, stats.reason = "missing", str(e)
+            continue
+        stats.documents_before_cap = len(docs)
+        stats.bytes_before_cap = sum(d.nbytes for d in docs)
+        docs = _apply_cap(docs, config.caps.get(src.name), config.seed)
+        stats.documents, stats.bytes = len(docs), sum(d.nbytes for d in docs)
+        if not docs:
+            stats.status, stats.reason = "empty", stats.reason or "the source yielded no documents"
+        for d in docs:
+            if d.id in seen_ids:
+                raise ValueError(f"duplicate document id {d.id}")
+            seen_ids.add(d.id)
+        per_domain[src.domain] += docs
+
+    files, domains = {}, {}
+    for domain in DOMAINS:
+        docs = sorted(per_domain[domain], key=lambda d: d.id)
+        domains[domain] = {}
+        for split in ("train", "valid"):
+            chosen = [d for d in docs if split_of(d.id, config.valid_fraction, config.seed) == split]
+            name = f"{domain}.{split}.jsonl"
+            with open(out / name, "w", encoding="utf-8", newline="\n") as f:
+                for d in chosen:
+                    f.write(json.dumps(d.record(), ensure_ascii=False, sort_keys=True, separators=(",", ":")))
+                    f.write("\n")
+            domains[domain][split] = {"documents": len(chosen), "bytes": sum(d.nbytes for d in chosen)}
+            files[name] = {"sha256": _sha256_file(out / name), "bytes": (out / name).stat().st_size,
+                           "documents": len(chosen)}
+    manifest = {
+        "builder_version": BUILDER_VERSION,
+        "python": ".".join(map(str, sys.version_info[:3])),
+        "config": config.to_json(),
+        "sources": {name: asdict(s) for name, s in source_stats.items()},
+        "domains": domains,
+        "totals": {"documents": sum(s.documents for s in source_stats.values()),
+                   "bytes": sum(s.bytes for s in source_stats.values())},
+        "files": files,
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return manifest
+
+
+def read_split(corpus_dir: str | Path, domain: str, split: str) -> Iterator[dict]:
+    """The records of one domain's split, in file order."""
+    with open(Path(corpus_dir) / f"{domain}.{split}.jsonl", encoding="utf-8") as f:
+        for line in f:
+            yield json.loads(line)
+
+
+# ------------------------------------------------------------------------------ system preparation
+
+
+def prepare_system(apt_dir: Path, log=print) -> Path | None:
+    """Make the Debian sources available (root only): install fortunes when missing, and fetch apt lists
+    with English long descriptions into `apt_dir` (the system's own lists are left alone; Debian's Docker
+    images set `Acquire::Languages "none"`, so their lists lack the Translation-en files).
+    Returns the list folder to read, or None when it could not be prepared (the caller then uses the system's)."""
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        log("prepare: not root or no apt-get; using what is installed")
+        return None
+    apt_dir = Path(apt_dir).resolve()  # apt reads a relative Dir::State::Lists as relative to /var/lib/apt
+    lists = apt_dir / "lists"
+    (lists / "partial").mkdir(parents=True, exist_ok=True)
+    (apt_dir / "cache" / "archives" / "partial").mkdir(parents=True, exist_ok=True)
+    have_tr = any("_i18n_Translation-en" in p.name for p in lists.iterdir())
+    if not have_tr:
+        log(f"prepare: apt-get update (with Translation-en) into {lists}")
+        r = subprocess.run(["apt-get", "update", "-o", f"Dir::State::Lists={lists}",
+                            "-o", f"Dir::Cache={apt_dir / 'cache'}", "-o", "Acquire::Languages=en"],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            log(f"prepare: apt-get update failed ({r.returncode}): {r.stderr.strip()[-500:]}")
+            return None
+    if not Path("/usr/share/games/fortunes/fortunes").exists():
+        log("prepare: apt-get install -y fortunes fortunes-min")
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        subprocess.run(["apt-get", "update"], capture_output=True, env=env)
+        r = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "fortunes", "fortunes-min"],
+                           capture_output=True, text=True, env=env)
+        if r.returncode != 0:
+            log(f"prepare: installing fortunes failed: {r.stderr.strip()[-500:]}")
+    return lists

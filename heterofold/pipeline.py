@@ -1,0 +1,47 @@
+"""End-to-end steps the CLI and the benchmarks share: calibration data, fit + save a map, apply a saved map."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from . import align, corpus, mapfile
+from .baselines import fit_method
+from .calibrate import collect
+from .fold import transfer
+from .zoo import ROOT, ZooModel
+
+DIRECTIONS = [(s, r) for s in ("llama", "qwen3", "mistral") for r in ("llama", "qwen3", "mistral") if s != r]
+
+
+def calibration_texts(n_train: int, n_held: int, chars: int = 600, root: Path = ROOT):
+    """Calibration prompts (first `chars` characters of calib-split documents): train and held-out parts."""
+    docs = [d[:chars] for d in corpus.build(root / "corpus.json")["calib"] if len(d) >= 200]
+    return docs[:n_train], docs[n_train:n_train + n_held]
+
+
+def collect_direction(s: ZooModel, r: ZooModel, n_train: int, n_held: int, root: Path = ROOT):
+    tr, he = calibration_texts(n_train, n_held, root=root)
+    return (collect(s.adapter, r.adapter, s.tok, r.tok, tr, desc="capture calib"),
+            collect(s.adapter, r.adapter, s.tok, r.tok, he, desc="capture held-out"),
+            corpus.fingerprint(tr + he))
+
+
+def fit_and_save(s: ZooModel, r: ZooModel, out: Path, n_train: int = 128, n_held: int = 32, root: Path = ROOT):
+    train, held, calib_hash = collect_direction(s, r, n_train, n_held, root)
+    m, curves = fit_method("heterofold", s.adapter, r.adapter, train, held, progress=True)
+    mapfile.save(m, out, mapfile.fingerprint(s.adapter, s.tok), mapfile.fingerprint(r.adapter, r.tok),
+                 calib_hash, {"calibration_curves": curves, "n_train": len(train), "n_held": len(held)})
+    return m, curves
+
+
+@torch.no_grad()
+def apply_map(path: Path, s: ZooModel, r: ZooModel, text: str, max_new: int = 24) -> str:
+    """Sender prefills `text`; the receiver continues from the mapped cache (no receiver prefill)."""
+    m = mapfile.load(path, mapfile.fingerprint(s.adapter, s.tok), mapfile.fingerprint(r.adapter, r.tok))
+    s_ids, s_ends = s.tok.encode(text)
+    r_ids, r_ends = r.tok.encode(text)
+    cap = s.adapter.capture(s_ids)
+    pairs = align.token_alignment(s_ends, r_ends[:-1])
+    cache = transfer(m, cap, pairs, r.adapter)
+    return r.tok.decode(r.adapter.greedy(cache, r_ids[-1], max_new))
