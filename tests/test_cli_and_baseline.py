@@ -1,0 +1,32 @@
+"""The `mol2 chat` demo runs and reports bounded replay; the every-layer baseline computes what the oracle does."""
+
+import torch
+
+from ced import CEDEngine
+from ced.baseline import BaselineConversation, EveryLayerBaseline
+from ced.cli import main
+
+
+def test_chat_demo_prints_replay_and_bytes(tmp_path, capsys):
+    main(["chat", "--turns", "3", "--max-tokens", "4", "--threads", "1", "--artifacts", str(tmp_path / "demo")])
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line[:4].strip().isdigit()]
+    assert [row[1] for row in rows] == ["chat", "agent", "coding"]
+    replayed = [int(row[4]) for row in rows]
+    assert all(0 < r <= 128 for r in replayed) and replayed[-1] == 128
+    assert "untrained" in out
+
+
+def test_baseline_switch_is_a_full_recompute(adapter_dirs, tiny_model):
+    engine, baseline = CEDEngine(tiny_model()), EveryLayerBaseline(tiny_model())
+    for name in ("A1", "L0"):
+        engine.adapters.load(name, adapter_dirs[name])
+        baseline.adapters.load(name, adapter_dirs[name])
+    tokens = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(3)).tolist()
+    conversation = BaselineConversation(tokens)
+    sizes = []
+    for name in ("A1", "L0"):
+        logits = baseline.switch(conversation, name)
+        torch.testing.assert_close(logits, engine.oracle(tokens, name)[-1], rtol=0, atol=1e-5)
+        sizes.append(conversation.nbytes())
+    assert sizes[1] - 8 * len(tokens) == 2 * (sizes[0] - 8 * len(tokens))  # one full state per adapter visited
