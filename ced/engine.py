@@ -122,10 +122,12 @@ class CEDEngine:
         return torch.cat(h19)
 
     @torch.inference_mode()
-    def replay(self, state: ConversationState, adapter: str | None) -> tuple[Tensor, int]:
+    def replay(self, state: ConversationState, adapter: str | None,
+               capture: dict[int, list[Tensor]] | None = None) -> tuple[Tensor, int]:
         """Drop the adapter-bound windows and rebuild them over the last W positions under `adapter`.
 
-        Returns the next-token logits (V,) and the number of positions replayed (min(W, context)).
+        Returns the next-token logits (V,) and the number of positions replayed (min(W, context)). `capture`
+        collects the replayed decoder layers' outputs (evaluation).
         """
         if state.length == 0:
             raise StateError("nothing to replay: the conversation is empty")
@@ -135,7 +137,7 @@ class CEDEngine:
         selection = Selection(shared.selection.idx[:, -n:], shared.selection.valid[:, -n:])
         with self._rows([adapter]):
             hidden = self.model.run_decoder(shared.stream[:, -n:], state.length - n, selection, windows,
-                                            shared.globals[self.config.decoder_start])
+                                            shared.globals[self.config.decoder_start], capture)
             logits = self.model.lm_head(hidden[:, -1])[0]
         state.bound = AdapterState(adapter, windows, state.length)
         self.stats.replayed_positions += n
@@ -181,10 +183,11 @@ class CEDEngine:
     # -- evaluation and batches -----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def oracle(self, tokens: list[int], adapter: str | None) -> Tensor:
+    def oracle(self, tokens: list[int], adapter: str | None,
+               capture: dict[int, list[Tensor]] | None = None) -> Tensor:
         """Recompute the whole context under `adapter` in one pass: logits (T, V). Evaluation only."""
         with self._rows([adapter]):
-            return self.model(torch.tensor([tokens]), chunk_size=self.prefill_chunk).logits[0]
+            return self.model(torch.tensor([tokens]), chunk_size=self.prefill_chunk, capture=capture).logits[0]
 
     @torch.inference_mode()
     def forward_batch(self, input_ids: Tensor, adapters: list[str | None]) -> Tensor:

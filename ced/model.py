@@ -285,15 +285,23 @@ class CEDForCausalLM(CEDPreTrainedModel):
         return SharedOutput(h19, x, selection)
 
     def run_decoder(self, stream: Tensor, start: int, selection: Selection | None,
-                    windows: dict[int, LocalWindow], first_decoder_store: GlobalKV) -> Tensor:
-        """Layer E's FFN and layers E+1..L-1 from the post-attention stream (B, T, C); returns final hidden."""
+                    windows: dict[int, LocalWindow], first_decoder_store: GlobalKV,
+                    capture: dict[int, list[Tensor]] | None = None) -> Tensor:
+        """Layer E's FFN and layers E+1..L-1 from the post-attention stream (B, T, C); returns final hidden.
+
+        `capture`, if given, collects each decoder layer's output (B, T, C) under its layer index.
+        """
         E = self.ced.decoder_start
         positions = torch.arange(start, start + stream.shape[1], device=stream.device)
         x = self.model.layers[E].ffn_block(stream)
+        if capture is not None:
+            capture.setdefault(E, []).append(x)
         for layer in self.model.layers[E + 1:]:
             x, selection = layer.attention_block(x, positions, windows[layer.role.index], first_decoder_store,
                                                  selection)
             x = layer.ffn_block(x)
+            if capture is not None:
+                capture.setdefault(layer.role.index, []).append(x)
         return self.model.norm(x)
 
     def new_windows(self, layers) -> dict[int, LocalWindow]:
@@ -303,15 +311,17 @@ class CEDForCausalLM(CEDPreTrainedModel):
         return {i: GlobalKV() for i in self.ced.source_layers}
 
     def forward(self, input_ids: Tensor, labels: Tensor | None = None, chunk_size: int = 256,
-                **unused) -> CausalLMOutput:
-        """The whole sequence in chunks of `chunk_size` queries (training and the oracle). Labels are shifted."""
+                capture: dict[int, list[Tensor]] | None = None, **unused) -> CausalLMOutput:
+        """The whole sequence in chunks of `chunk_size` queries (training and the oracle). Labels are shifted.
+
+        `capture` collects decoder layer outputs per chunk (see run_decoder)."""
         windows, stores = self.new_windows(range(self.ced.n_layers)), self.new_stores()
         hidden = []
         for start in range(0, input_ids.shape[1], chunk_size):
             chunk = input_ids[:, start: start + chunk_size]
             shared = self.run_shared(chunk, start, windows, stores)
             hidden.append(self.run_decoder(shared.stream, start, shared.selection, windows,
-                                           stores[self.ced.decoder_start]))
+                                           stores[self.ced.decoder_start], capture))
         logits = self.lm_head(torch.cat(hidden, dim=1))
         loss = None
         if labels is not None:

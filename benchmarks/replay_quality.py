@@ -1,0 +1,251 @@
+"""Replay quality: does a switch lose information? The seed's protocol ("A switch loses no information"), at demo scale.
+
+For every source/target pair over base, the domain adapters and a random adapter on other modules: the source
+processes an input and a reply token by token (forced, the same tokens for every source); a new user turn
+arrives; the engine switches to the target (bounded replay) and force-decodes the same continuation. Compared
+with the oracle (the whole context recomputed under the target in one pass) and with the no-switch control (the
+target throughout, token by token, no replay): logit MAE, top-1 agreement, PPL ratio exp(CE_path - CE_oracle).
+Then the decoder hidden states of the replay window against the oracle's at several context lengths.
+
+    python -m benchmarks.replay_quality [--quick] [--json PATH] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from tqdm import tqdm
+
+from ced import CEDEngine, CEDForCausalLM
+
+from ._report import markdown_table, save_figure, write_json
+
+COLUMNS = ["target", "source", "ppl_ratio", "logit_mae", "control_logit_mae", "top1_agreement",
+           "bitwise_equal_across_sources"]
+TRAINED = ("chat", "agent", "coding", "design")
+
+
+# -- the metrics ------------------------------------------------------------------------------------------
+
+def compare(path: Tensor, oracle: Tensor, targets: Tensor) -> dict:
+    """Logits (N, V) of a path and of the oracle at the positions that predict `targets` (N,)."""
+    ce_path = F.cross_entropy(path.float(), targets).item()
+    ce_oracle = F.cross_entropy(oracle.float(), targets).item()
+    return dict(logit_mae=(path - oracle).abs().mean().item(),
+                top1_agreement=(path.argmax(-1) == oracle.argmax(-1)).float().mean().item(),
+                ppl_ratio=math.exp(ce_path - ce_oracle))
+
+
+# -- the three paths ---------------------------------------------------------------------------------------
+
+def token_by_token(engine: CEDEngine, tokens: list[int], adapter: str | None):
+    state = engine.new_conversation()
+    engine.prefill(state, tokens[:1])
+    logits, _ = engine.replay(state, adapter)
+    for token in tokens[1:]:
+        logits = engine.step(state, token, adapter)
+    return state, logits
+
+
+def force(engine: CEDEngine, state, logits: Tensor, continuation: list[int], adapter) -> Tensor:
+    """Logits predicting each continuation token, feeding the true token each time: (N, V)."""
+    out = [logits]
+    for token in continuation[:-1]:
+        out.append(engine.step(state, token, adapter))
+    return torch.stack(out)
+
+
+def run_pairs(engine: CEDEngine, adapters: list[str | None], history: list[int], turn: list[int],
+              continuation: list[int]) -> tuple[list[dict], dict]:
+    targets = torch.tensor(continuation)
+    sources = {}
+    for source in tqdm(adapters, desc="sources: history token by token"):
+        sources[source] = token_by_token(engine, history, source)[0]
+    rows, curves = [], {}
+    context = history + turn
+    for target in tqdm(adapters, desc="targets: switch, oracle, control"):
+        oracle = engine.oracle(context + continuation, target)[len(context) - 1: -1]
+        control_state = copy.deepcopy(sources[target])  # the target throughout: no switch, no replay
+        logits = None
+        for token in turn:
+            logits = engine.step(control_state, token, target)
+        control = force(engine, control_state, logits, continuation, target)
+        control_mae = compare(control, oracle, targets)["logit_mae"]
+        paths = {}
+        for source in adapters:
+            state = copy.deepcopy(sources[source])
+            paths[source] = force(engine, state, engine.turn(state, turn, target).logits, continuation, target)
+        bitwise = all(torch.equal(paths[s], paths[adapters[0]]) for s in adapters)
+        for source in adapters:
+            rows.append(dict(target=str(target), source=str(source), **compare(paths[source], oracle, targets),
+                             control_logit_mae=control_mae, bitwise_equal_across_sources=bitwise))
+        curves[str(target)] = ((paths[adapters[0]] - oracle).abs().mean(-1), (control - oracle).abs().mean(-1))
+    return rows, curves
+
+
+def hidden_state_mae(engine: CEDEngine, tokens: list[int], adapter: str | None, context: int) -> Tensor:
+    """|replay - oracle| of each decoder layer's output over the replay window: (layers, W) mean over hidden."""
+    state = engine.new_conversation()
+    engine.prefill(state, tokens[:context])
+    replayed, oracle = {}, {}
+    engine.replay(state, adapter, capture=replayed)
+    engine.oracle(tokens[:context], adapter, capture=oracle)
+    W = replayed[engine.config.decoder_start][0].shape[1]
+    return torch.stack([(replayed[layer][0][0] - torch.cat(oracle[layer], dim=1)[0, -W:]).abs().mean(-1)
+                        for layer in sorted(replayed)])
+
+
+# -- inputs ------------------------------------------------------------------------------------------------
+
+def load(args) -> tuple[CEDEngine, list[str | None], list[int], bool]:
+    """The engine with its adapters, and a stream of validation tokens (real text when trained)."""
+    root = Path(args.artifacts)
+    trained = (root / "model" / "config.json").is_file()
+    if trained:
+        from engine_build.tokenizer import load_tokenizer
+
+        model, adapter_dirs = CEDForCausalLM.from_pretrained(root / "model"), root / "adapters"
+        names = [n for n in (*TRAINED, "random_l0") if (adapter_dirs / n).is_dir()]
+        tokenizer = load_tokenizer(root / "model" / "tokenizer.json")
+        stream = []
+        for domain in ("general", "chat", "coding", "agent", "design"):
+            with open(Path(args.corpus) / f"{domain}.valid.jsonl") as lines:
+                for line in lines:
+                    stream += tokenizer.encode(json.loads(line)["text"]).ids
+                    if len(stream) > 2048 * (1 + ("general", "chat", "coding", "agent", "design").index(domain)):
+                        break
+    else:
+        from ced.demo import untrained_demo
+        from ced.synthetic import make_random_adapter
+
+        print(f"no trained demo under {root}: using the untrained demo and random tokens (run "
+              "`python -m engine_build demo` first for the real measurement)")
+        demo = untrained_demo()
+        model, names = CEDForCausalLM.from_pretrained(demo.model_dir), list(demo.adapters)
+        adapter_dirs = demo.model_dir.parent / "adapters"
+        if not (adapter_dirs / "random_l0").is_dir():
+            make_random_adapter(model, adapter_dirs / "random_l0", decoder_modules_other(model), rank=8, alpha=32,
+                                seed=99, scale=0.05)
+        names.append("random_l0")
+        stream = torch.randint(0, 256, (8192,), generator=torch.Generator().manual_seed(0)).tolist()
+    engine = CEDEngine(model, max_adapters=8, max_rank=16)
+    for name in names:
+        engine.adapters.load(name, adapter_dirs / name)
+    return engine, [None, *names], stream, trained
+
+
+def decoder_modules_other(model) -> str:
+    from ced.synthetic import decoder_modules_regex
+
+    return decoder_modules_regex(model.ced, ("attn.o_proj", "mlp.up_proj", "mlp.down_proj"))
+
+
+# -- report ------------------------------------------------------------------------------------------------
+
+def summarize(rows: list[dict]) -> list[dict]:
+    summary = []
+    for target in dict.fromkeys(r["target"] for r in rows):
+        these = [r for r in rows if r["target"] == target]
+        path_mae = sum(r["logit_mae"] for r in these) / len(these)
+        summary.append(dict(target=target, ppl_ratio_min=min(r["ppl_ratio"] for r in these),
+                            ppl_ratio_max=max(r["ppl_ratio"] for r in these), logit_mae=path_mae,
+                            control_logit_mae=these[0]["control_logit_mae"],
+                            control_share=these[0]["control_logit_mae"] / path_mae if path_mae else float("nan"),
+                            top1_agreement=sum(r["top1_agreement"] for r in these) / len(these),
+                            bitwise_equal_across_sources=these[0]["bitwise_equal_across_sources"]))
+    return summary
+
+
+def plot(rows, curves, hidden, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["target"] for r in rows))
+    figure, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    for ax, key, title in ((axes[0], "ppl_ratio", "PPL ratio vs oracle"), (axes[1], "logit_mae", "logit MAE")):
+        grid = [[next(r[key] for r in rows if r["target"] == t and r["source"] == s) for s in names] for t in names]
+        image = ax.imshow(grid, cmap="viridis")
+        ax.set(xticks=range(len(names)), yticks=range(len(names)), xlabel="source", ylabel="target", title=title)
+        ax.set_xticklabels(names, rotation=45, ha="right")
+        ax.set_yticklabels(names)
+        for i, line in enumerate(grid):
+            for j, value in enumerate(line):
+                ax.text(j, i, f"{value:.3f}", ha="center", va="center", color="w", fontsize=7)
+        figure.colorbar(image, ax=ax, fraction=0.046)
+    for target, (path, control) in curves.items():
+        axes[2].plot(path.numpy(), label=f"{target}: path")
+    axes[2].plot(next(iter(curves.values()))[1].numpy(), "k--", label="control (first target)")
+    axes[2].set(xlabel="tokens after the switch", ylabel="logit MAE vs oracle", yscale="log",
+                title="Where the error sits")
+    axes[2].legend(fontsize=7)
+    save_figure(figure, out / "replay_quality_pairs.png")
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    for context, per_layer in hidden.items():
+        left.plot(per_layer.mean(0).numpy(), label=f"{context} tokens")
+        right.plot(per_layer.mean(1).numpy(), "o-", label=f"{context} tokens")
+    left.set(xlabel="position in the replay window", ylabel="hidden-state MAE (mean over layers)", yscale="log",
+             title="Replay window vs oracle")
+    right.set(xlabel="decoder layer (0 = first decoder layer)", ylabel="hidden-state MAE (mean over window)",
+              title="By depth")
+    left.legend()
+    right.legend()
+    save_figure(figure, out / "replay_quality_hidden.png")
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="shorter inputs and three adapters: a smoke check")
+    parser.add_argument("--artifacts", default="artifacts/demo", help="trained demo model and adapters")
+    parser.add_argument("--corpus", default="artifacts/corpus", help="corpus with *.valid.jsonl")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", help="write the pair table as JSON rows here")
+    parser.add_argument("--out", default="artifacts/benchmarks", help="folder for the PNG figures and tables")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+
+    engine, adapters, stream, trained = load(args)
+    sizes = (256, 64, 16, 64) if args.quick else (1024, 256, 32, 256)  # input, reply, new turn, continuation
+    contexts = (320, 384) if args.quick else (640, 768, 896, 1024)
+    if args.quick:
+        adapters = adapters[:3] + adapters[-1:]
+    n_input, n_reply, n_turn, n_cont = sizes
+    history = stream[: n_input + n_reply]
+    turn = stream[n_input + n_reply: n_input + n_reply + n_turn]
+    continuation = stream[n_input + n_reply + n_turn: sum(sizes)]
+    rows, curves = run_pairs(engine, adapters, history, turn, continuation)
+    hidden = {c: torch.stack([hidden_state_mae(engine, stream, t, c) for t in adapters]).mean(0) for c in contexts}
+
+    model_name = "trained demo" if trained else "UNTRAINED demo (random weights)"
+    print(f"\nReplay quality on the {model_name}: input {n_input} + reply {n_reply} token by token under the source, "
+          f"new turn {n_turn}, switch, continuation {n_cont} forced; W={engine.config.window}\n")
+    print(markdown_table(rows, COLUMNS))
+    summary = summarize(rows)
+    print("\nPer target (over all sources); control_share = control MAE / path MAE\n")
+    print(markdown_table(summary, list(summary[0])))
+    layers = [f"layer_{engine.config.decoder_start + i}" for i in range(next(iter(hidden.values())).shape[0])]
+    hidden_rows = [dict(context_tokens=c, mean=h.mean().item(), first_16_positions=h[:, :16].mean().item(),
+                        last_16_positions=h[:, -16:].mean().item(), **{l: v.item() for l, v in zip(layers, h.mean(1))})
+                   for c, h in hidden.items()]
+    print("\nDecoder hidden-state MAE of the replay window against the oracle (mean over targets)\n")
+    print(markdown_table(hidden_rows, list(hidden_rows[0])))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "replay_quality.md").write_text("\n\n".join(markdown_table(t, list(t[0]))
+                                                     for t in (rows, summary, hidden_rows)) + "\n")
+    write_json(rows, args.json)
+    plot(rows, curves, hidden, out)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
