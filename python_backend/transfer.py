@@ -1,0 +1,93 @@
+"""A conversation's state as bytes: what prefill hands to decode, and what the store keeps on disk.
+
+safetensors, never pickle. The metadata carries a format version, the model config's fingerprint, the adapter
+that owns the bound windows, and a sha256 of every tensor's bytes: a damaged or foreign record is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load, save
+
+from ced.config import CEDConfig
+from ced.state import AdapterState, ConversationState, GlobalKV, LocalWindow, Selection, SharedState
+
+FORMAT = "mol2-state-1"
+
+
+class TransferError(ValueError):
+    """State bytes that cannot be used: damaged, from another model, or of an unknown format."""
+
+
+def config_fingerprint(config: CEDConfig) -> str:
+    return hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _checksum(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for key in sorted(tensors):
+        digest.update(key.encode())
+        digest.update(tensors[key].contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def encode_state(state: ConversationState, config: CEDConfig) -> bytes:
+    tensors: dict[str, torch.Tensor] = {"tokens": torch.tensor(state.shared.tokens, dtype=torch.int64)}
+
+    def put(prefix: str, **values):
+        for name, value in values.items():
+            if value is not None:
+                tensors[f"{prefix}.{name}"] = value.contiguous()
+
+    for layer, window in state.shared.windows.items():
+        put(f"shared.window.{layer}", k=window.k, v=window.v)
+    for layer, store in state.shared.globals.items():
+        put(f"shared.global.{layer}", k=store.k, v=store.v, index_keys=store.index_keys, pending=store.pending)
+    put("shared", stream=state.shared.stream)
+    if state.shared.selection is not None:
+        put("shared.selection", idx=state.shared.selection.idx, valid=state.shared.selection.valid)
+    for layer, window in state.bound.windows.items():
+        put(f"bound.window.{layer}", k=window.k, v=window.v)
+    metadata = {"format": FORMAT, "config": config_fingerprint(config), "checksum": _checksum(tensors),
+                "bound_adapter": json.dumps(state.bound.adapter), "bound_length": str(state.bound.length)}
+    return save(tensors, metadata=metadata)
+
+
+def decode_state(data: bytes, config: CEDConfig) -> ConversationState:
+    try:
+        tensors = load(data)
+        metadata = _read_metadata(data)
+    except (SafetensorError, ValueError, UnicodeDecodeError) as error:
+        raise TransferError(f"state bytes are not a readable safetensors record: {error}") from None
+    if metadata.get("format") != FORMAT:
+        raise TransferError(f"state format {metadata.get('format')!r} is not {FORMAT!r}")
+    if metadata.get("config") != config_fingerprint(config):
+        raise TransferError("state was written for another model config "
+                            f"({metadata.get('config')} != {config_fingerprint(config)})")
+    if metadata.get("checksum") != _checksum(tensors):
+        raise TransferError("state checksum does not match its contents: the record is damaged")
+
+    def window(prefix: str) -> LocalWindow:
+        return LocalWindow(config.window, tensors.get(f"{prefix}.k"), tensors.get(f"{prefix}.v"))
+
+    E = config.decoder_start
+    stores = {layer: GlobalKV(*(tensors.get(f"shared.global.{layer}.{n}") for n in ("k", "v", "index_keys", "pending")))
+              for layer in config.source_layers}
+    selection = None
+    if "shared.selection.idx" in tensors:
+        selection = Selection(tensors["shared.selection.idx"], tensors["shared.selection.valid"])
+    shared = SharedState({i: window(f"shared.window.{i}") for i in range(E + 1)}, stores,
+                         tensors.get("shared.stream"), selection, tensors["tokens"].tolist())
+    bound = AdapterState(json.loads(metadata["bound_adapter"]),
+                         {i: window(f"bound.window.{i}") for i in config.adapter_bound_layers},
+                         int(metadata["bound_length"]))
+    return ConversationState(shared, bound)
+
+
+def _read_metadata(data: bytes) -> dict:
+    header_length = int.from_bytes(data[:8], "little")
+    return json.loads(data[8: 8 + header_length]).get("__metadata__", {})
