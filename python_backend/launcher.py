@@ -1,0 +1,116 @@
+"""Start a real `tritonserver` (from the nvidia-pytriton wheel) on a model repository, no Docker.
+
+The wheel carries the server, the Python backend and one backend stub per Python version. The server wants a
+backend directory holding `python/` = the backend library + triton_python_backend_utils.py + the stub for the
+running Python, the wheel's bundled libraries on LD_LIBRARY_PATH, and this venv's bin/ first on PATH so that the
+stub's embedded Python imports this project's packages.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Ports:
+    http: int = 8000
+    grpc: int = 8001
+    metrics: int = 8002
+    host: str = "127.0.0.1"
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.http}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc}"
+
+
+def _wheel_root() -> Path:
+    try:
+        import pytriton
+    except ImportError:
+        raise LaunchError("nvidia-pytriton is not installed: run `bash scripts/setup.sh`") from None
+    return Path(pytriton.__file__).parent
+
+
+def backend_directory(dest: Path) -> Path:
+    """Assemble `dest/python/` from the wheel's backend and the stub for this Python version."""
+    wheel = _wheel_root() / "tritonserver"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = wheel / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise LaunchError(f"the nvidia-pytriton wheel has no Python-backend stub for Python {version}")
+    python_dir = dest / "python"
+    python_dir.mkdir(parents=True, exist_ok=True)
+    for source in (wheel / "backends" / "python" / "libtriton_python.so",
+                   wheel / "backends" / "python" / "triton_python_backend_utils.py", stub):
+        target = python_dir / source.name
+        if not target.exists():
+            shutil.copy2(source, target)
+    return dest
+
+
+def server_environment() -> dict[str, str]:
+    env = dict(os.environ)
+    libs = _wheel_root().parent / "nvidia_pytriton.libs"
+    # The stub links libpython3.X.so: make it the running interpreter's, or its stdlib's extension modules
+    # (e.g. _ssl, which transformers imports) fail with undefined symbols against the system's libpython.
+    own_libpython = sysconfig.get_config_var("LIBDIR") if sysconfig.get_config_var("Py_ENABLE_SHARED") else None
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [own_libpython, str(libs), env.get("LD_LIBRARY_PATH")]))
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    project = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [project, env.get("PYTHONPATH")]))
+    return env
+
+
+def start(model_repository: Path, ports: Ports, workdir: Path, log_path: Path | None = None,
+          extra_args: list[str] = ()) -> subprocess.Popen:
+    server = _wheel_root() / "tritonserver" / "bin" / "tritonserver"
+    command = [str(server), f"--model-repository={model_repository}",
+               f"--backend-directory={backend_directory(workdir / 'backends')}",
+               f"--http-port={ports.http}", f"--grpc-port={ports.grpc}", f"--metrics-port={ports.metrics}",
+               f"--http-address={ports.host}", f"--grpc-address={ports.host}", "--allow-metrics=true",
+               "--allow-gpu-metrics=false", "--log-verbose=0", *extra_args]
+    log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    return subprocess.Popen(command, env=server_environment(), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def wait_ready(process: subprocess.Popen, ports: Ports, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise LaunchError(f"tritonserver exited with code {process.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"http://{ports.http_url}/v2/health/ready", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise LaunchError(f"tritonserver was not ready within {timeout_s:.0f} s")
+
+
+def stop(process: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
