@@ -1,6 +1,8 @@
 """`mol2`: the project's command line.
 
     mol2 chat      a scripted multi-turn conversation that switches adapters, with the state accounting per turn
+    mol2 serve     the Triton Inference Server: prefill -> MoL2 route -> decode, over HTTP and gRPC
+    mol2 router    the MoL2 router: routing data, H19 extraction, training, evaluation, benchmarks
 """
 
 from __future__ import annotations
@@ -64,8 +66,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--artifacts", default="artifacts/demo-untrained", help="where the demo weights are cached")
     p.set_defaults(run=chat)
+    from python_backend.serve_cli import add_parser as add_serve
+
+    add_serve(commands)
+    from mol2_router.cli import add_router_commands  # `mol2 router ...` lives with the router package
+
+    add_router_commands(commands)
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
     args.run(args)
 
 

@@ -1,0 +1,94 @@
+"""Decoupled decode: maps the transfer's adapter hash through this server's registry, replays W positions under
+that adapter, then streams tokens (one response per token with `stream`, else one aggregated response)."""
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb
+
+from ced.engine import SamplingParams
+from python_backend.metrics import Counters
+from python_backend.serving import Served, ServingSettings, triton_parameters
+from python_backend.stages import DecodeRequest, DecodeStage, TransferMeta
+from python_backend.triton_io import as_scalar, as_text, error_response, optional, required, text_tensor
+
+FINAL = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        if not pb.using_decoupled_model_transaction_policy(config):
+            raise pb.TritonModelException("decode must be decoupled (model_transaction_policy { decoupled: true })")
+        self.served = Served.open(ServingSettings.from_parameters(triton_parameters(config)))
+        self.stage = DecodeStage(self.served.engine, self.served.store, self.served.tokenizer)
+        self.counters = Counters(pb, "decode")
+
+    def _parse(self, request) -> tuple[DecodeRequest, bool, str]:
+        get = lambda name, kind, default: as_scalar(optional(pb, request, name), name, kind, default)  # noqa: E731
+        max_tokens = get("max_tokens", int, 64)
+        if not 1 <= max_tokens <= 4096:
+            raise ValueError(f"max_tokens must be between 1 and 4096, got {max_tokens}")
+        seed = get("seed", int, None)
+        sampling = SamplingParams(temperature=get("temperature", float, 0.0), top_k=get("top_k", int, 0),
+                                  top_p=get("top_p", float, 1.0), seed=seed)
+        conversation_id = as_text(required(pb, request, "_conversation_id"), "_conversation_id")
+        decode_request = DecodeRequest(conversation_id, required(pb, request, "_state").tobytes(),
+                                       TransferMeta.from_tensor(required(pb, request, "_routed_meta").reshape(-1)),
+                                       max_tokens, sampling, bool(get("end_conversation", bool, False)))
+        return decode_request, bool(get("stream", bool, False)), as_text(optional(pb, request, "_route_scores"),
+                                                                          "_route_scores") or "{}"
+
+    def _response(self, text, adapter, replayed, scores, conversation_id):
+        return pb.InferenceResponse([text_tensor(pb, "text_output", text), text_tensor(pb, "applied_adapter", adapter),
+                                     pb.Tensor("replayed_tokens", np.array([replayed], dtype=np.int32)),
+                                     text_tensor(pb, "route_scores", scores),
+                                     text_tensor(pb, "conversation_id_out", conversation_id)])
+
+    def execute(self, requests):
+        changes = self.served.refresh()  # live configuration: the adapter-set file changed
+        if changes:
+            pb.Logger.log_info(f"adapter set changed: {'; '.join(changes)}")
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._serve(request, sender)
+            except ValueError as error:
+                sender.send(error_response(pb, str(error)), flags=FINAL)
+
+    def _serve(self, request, sender):
+        try:
+            decode_request, stream, scores = self._parse(request)
+        except ValueError:
+            conversation_id = as_text(optional(pb, request, "_conversation_id"), "_conversation_id")
+            if conversation_id:
+                self.served.store.end_turn(conversation_id)
+            raise
+        self.counters.add("mol2_routes_read", str(decode_request.meta.adapter_hash))
+        try:
+            adapter = self.stage.adapter_for(self.served.watcher.current, decode_request.meta.adapter_hash) or "base"
+        except ValueError:
+            self.served.store.end_turn(decode_request.conversation_id)
+            raise
+        ids, shown, replayed = [], "", 0
+        for token, replayed in self.stage.run(self.served.watcher.current, decode_request):
+            if not ids:
+                self.counters.add("mol2_routes_applied", adapter)
+                self.counters.add("mol2_replayed_tokens", adapter, replayed)
+            ids.append(token)
+            if stream:
+                text = self.served.tokenizer.decode(ids)
+                if len(text) > len(shown) and not text.endswith("\ufffd"):  # wait out partial characters
+                    sender.send(self._response(text[len(shown):], adapter, replayed, scores,
+                                               decode_request.conversation_id))
+                    shown = text
+        self.counters.add("mol2_requests", adapter)
+        final_text = self.served.tokenizer.decode(ids)
+        if stream:
+            if final_text[len(shown):]:
+                sender.send(self._response(final_text[len(shown):], adapter, replayed, scores,
+                                           decode_request.conversation_id))
+            sender.send(flags=FINAL)
+        else:
+            sender.send(self._response(final_text, adapter, replayed, scores, decode_request.conversation_id),
+                        flags=FINAL)

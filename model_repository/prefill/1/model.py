@@ -1,0 +1,39 @@
+"""The adapter-free stage: the new user turn through the encoder and the first decoder layer's attention.
+Outputs H19 pooled over the turn (for the router) and the conversation's state for the transfer to decode."""
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb
+
+from python_backend.serving import Served, ServingSettings, triton_parameters
+from python_backend.stages import BASE_NAME, PrefillStage
+from python_backend.triton_io import as_text, error_response, optional, required, text_tensor
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        settings = ServingSettings.from_parameters(triton_parameters(json.loads(args["model_config"])))
+        self.served = Served.open(settings, with_adapters=False)  # prefill never runs an adapter
+        self.stage = PrefillStage(self.served.engine, self.served.store, self.served.tokenizer)
+
+    def execute(self, requests):
+        self.served.watcher.poll()
+        responses = []
+        for request in requests:
+            try:
+                explicit = as_text(optional(pb, request, "adapter"), "adapter")
+                adapter_set = self.served.watcher.current
+                if explicit and explicit != BASE_NAME and adapter_set.by_name(explicit) is None:
+                    known = ", ".join([BASE_NAME, *(a.name for a in adapter_set.adapters)])
+                    raise ValueError(f"unknown adapter {explicit!r}; this server offers: {known}")
+                ids = required(pb, request, "_text_ids").reshape(-1).tolist()
+                result = self.stage.run(as_text(optional(pb, request, "conversation_id"), "conversation_id"), ids)
+                responses.append(pb.InferenceResponse([
+                    pb.Tensor("_h19", result.h19_pooled.numpy().astype(np.float32)),
+                    pb.Tensor("_state", np.frombuffer(result.state, dtype=np.uint8)),
+                    pb.Tensor("_transfer_meta", result.meta.to_tensor().numpy()),
+                    text_tensor(pb, "_conversation_id", result.conversation_id)]))
+            except ValueError as error:
+                responses.append(error_response(pb, str(error)))
+        return responses

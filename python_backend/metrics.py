@@ -1,0 +1,32 @@
+"""Counters on Triton's metrics endpoint (custom metrics of the Python backend), labelled by stage and adapter.
+
+Families and metrics are created on first use and kept referenced for the model's lifetime: a family that is
+garbage-collected disappears from the endpoint. Each stage counts what it did, so a routed turn that reaches
+decode without its adapter shows up as written != applied.
+"""
+
+from __future__ import annotations
+
+DESCRIPTIONS = {
+    "mol2_routes_written": "adapter decisions written into a transfer (router stage)",
+    "mol2_routes_read": "adapter decisions read from a transfer (decode stage)",
+    "mol2_routes_applied": "adapter decisions applied by a replay (decode stage)",
+    "mol2_requests": "turns served",
+    "mol2_replayed_tokens": "positions replayed through the decoder",
+    "mol2_router_decision_ms_total": "time spent in router decisions, milliseconds, summed",
+}
+
+
+class Counters:
+    def __init__(self, pb, stage: str):
+        self.pb, self.stage = pb, stage
+        self._families, self._metrics = {}, {}
+
+    def add(self, name: str, adapter: str, value: float = 1.0) -> None:
+        if name not in self._families:
+            self._families[name] = self.pb.MetricFamily(name=name, description=DESCRIPTIONS[name],
+                                                        kind=self.pb.MetricFamily.COUNTER)
+        key = (name, adapter)
+        if key not in self._metrics:
+            self._metrics[key] = self._families[name].Metric(labels={"stage": self.stage, "adapter": adapter})
+        self._metrics[key].increment(value)

@@ -1,0 +1,71 @@
+"""`mol2 serve`: start the Triton server on this repository's model_repository/ and keep it running."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import time
+from pathlib import Path
+
+from .launcher import LaunchError, Ports, start, stop, wait_ready
+from .serving import ROOT, demo_model_dir, write_demo_adapter_set
+
+
+def prepare_demo() -> Path:
+    """The served model: the trained demo if built, else the untrained one (built on first use)."""
+    from ced.demo import untrained_demo
+
+    if not (ROOT / "artifacts/demo/model/config.json").is_file():
+        untrained_demo(ROOT / "artifacts/demo-untrained")
+    model_dir = demo_model_dir()
+    if not (model_dir.parent / "adapter_set.json").is_file():
+        write_demo_adapter_set(model_dir)
+    return model_dir
+
+
+def example_request(ports: Ports) -> str:
+    body = json.dumps({"text_input": "Write a Python function that reverses a list.", "max_tokens": 32,
+                       "adapter": "coding", "stream": True})
+    return f"curl -sN -X POST http://{ports.http_url}/v2/models/mol2/generate_stream -d '{body}'"
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("serve", help="start the Triton server (prefill -> route -> decode)",
+                                 description="Start tritonserver on model_repository/ (loopback by default), wait "
+                                             "until it is ready, print the endpoints; Ctrl-C or SIGTERM stops it.")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--model-repository", default=str(ROOT / "model_repository"))
+    parser.add_argument("--log", default=str(ROOT / "artifacts/logs/tritonserver.log"), help="server log file")
+    parser.add_argument("--ready-only", action="store_true", help="exit once the server answers ready (smoke test)")
+    parser.set_defaults(run=serve)
+
+
+def serve(args: argparse.Namespace) -> None:
+    model_dir = prepare_demo()
+    ports = Ports(args.http_port, args.grpc_port, args.metrics_port, args.host)
+    Path(args.log).parent.mkdir(parents=True, exist_ok=True)
+    print(f"serving {model_dir} (adapters: {model_dir.parent / 'adapter_set.json'}); log: {args.log}")
+    process = start(Path(args.model_repository), ports, ROOT / "artifacts/triton", Path(args.log))
+    stopping = {"now": False}
+
+    def on_signal(signum, frame):
+        stopping["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        wait_ready(process, ports)
+        print(f"ready: HTTP http://{ports.http_url}  gRPC {ports.grpc_url}  metrics "
+              f"http://{ports.host}:{ports.metrics}/metrics")
+        print(f"try:\n  {example_request(ports)}")
+        while not stopping["now"] and not args.ready_only:
+            if process.poll() is not None:
+                raise LaunchError(f"tritonserver exited with code {process.returncode}; see {args.log}")
+            time.sleep(0.5)
+    finally:
+        print("stopping tritonserver")
+        stop(process)

@@ -1,0 +1,103 @@
+"""Serving settings and the objects each Triton model builds from them in `initialize`.
+
+Every setting comes from the model's config.pbtxt `parameters`; an environment variable MOL2_<NAME> (set by
+`mol2 serve`) overrides it. Relative paths are relative to the project root. `model_dir: auto` serves the
+trained demo when it exists (artifacts/demo) and the untrained one otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ced.engine import CEDEngine
+from ced.model import CEDForCausalLM
+
+from .adapter_set import AdapterSetWatcher, sync_registry
+from .store import ConversationStore
+from .tokenization import ServedTokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULTS = {"model_dir": "auto", "adapter_set": "auto", "store_dir": "artifacts/conversations",
+            "router_dir": "auto", "threads": "1", "idle_timeout_s": "3600", "max_adapters": "8", "max_rank": "16"}
+
+
+def _resolve(path: str) -> Path:
+    return Path(path) if Path(path).is_absolute() else ROOT / path
+
+
+def demo_model_dir() -> Path:
+    trained = ROOT / "artifacts/demo/model"
+    return trained if (trained / "config.json").is_file() else ROOT / "artifacts/demo-untrained/model"
+
+
+def write_demo_adapter_set(model_dir: Path) -> Path:
+    """adapter_set.json beside the demo's adapters (their description.txt files give the descriptions)."""
+    adapters = model_dir.parent / "adapters"
+    path = model_dir.parent / "adapter_set.json"
+    entries = [{"name": d.name, "path": f"adapters/{d.name}", "description": (d / "description.txt").read_text().strip()}
+               for d in sorted(adapters.iterdir()) if (d / "description.txt").is_file()]
+    path.write_text(json.dumps({"route_prompt": "Choose the adapter best suited to the user's request.",
+                                "adapters": entries}, indent=2) + "\n")
+    return path
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    model_dir: Path
+    adapter_set: Path
+    store_dir: Path
+    router_dir: Path | None
+    threads: int
+    idle_timeout_s: float
+    max_adapters: int
+    max_rank: int
+
+    @classmethod
+    def from_parameters(cls, parameters: dict[str, str]) -> "ServingSettings":
+        values = {name: os.environ.get(f"MOL2_{name.upper()}", parameters.get(name, default))
+                  for name, default in DEFAULTS.items()}
+        model_dir = demo_model_dir() if values["model_dir"] == "auto" else _resolve(values["model_dir"])
+        adapter_set = (model_dir.parent / "adapter_set.json" if values["adapter_set"] == "auto"
+                       else _resolve(values["adapter_set"]))
+        router_dir = model_dir.parent / "router" if values["router_dir"] == "auto" else _resolve(values["router_dir"])
+        return cls(model_dir, adapter_set, _resolve(values["store_dir"]),
+                   router_dir if router_dir.is_dir() else None, int(values["threads"]),
+                   float(values["idle_timeout_s"]), int(values["max_adapters"]), int(values["max_rank"]))
+
+
+def triton_parameters(model_config: dict) -> dict[str, str]:
+    return {name: value["string_value"] for name, value in model_config.get("parameters", {}).items()}
+
+
+@dataclass
+class Served:
+    """What a stage needs: the engine (adapters synced to the set), the store, the tokenizer, the set watcher."""
+
+    settings: ServingSettings
+    engine: CEDEngine
+    store: ConversationStore
+    tokenizer: ServedTokenizer
+    watcher: AdapterSetWatcher
+    fingerprints: dict
+
+    @classmethod
+    def open(cls, settings: ServingSettings, with_adapters: bool = True) -> "Served":
+        torch.set_num_threads(settings.threads)
+        engine = CEDEngine(CEDForCausalLM.from_pretrained(settings.model_dir), settings.max_adapters,
+                           settings.max_rank)
+        served = cls(settings, engine, ConversationStore(settings.store_dir, engine.config, settings.idle_timeout_s),
+                     ServedTokenizer(settings.model_dir), AdapterSetWatcher(settings.adapter_set), {})
+        if with_adapters:
+            sync_registry(engine.adapters, served.watcher.current, served.fingerprints)
+        return served
+
+    def refresh(self) -> list[str]:
+        """Take a changed adapter-set file (live configuration): load, replace or unload adapters."""
+        if self.watcher.poll():
+            return sync_registry(self.engine.adapters, self.watcher.current, self.fingerprints)
+        return []

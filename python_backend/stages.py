@@ -1,0 +1,160 @@
+"""The logic of one turn's three stages, free of Triton so it is tested without a server.
+
+prefill: the new user turn through the adapter-free stage (never the history again), H19 pooled over the turn,
+         the state serialized for the transfer. Holds the conversation's turn lock until decode ends.
+route:   an explicit adapter always wins; otherwise the MoL2 head scores the pooled H19. The decision is the
+         31-bit FNV-1a hash of the adapter's path, written into the transfer's metadata.
+decode:  maps the hash through its own registry (an unknown hash is an error), replays W positions under the
+         adapter, streams tokens, and stores the state for the next turn.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from ced.engine import CEDEngine, SamplingParams
+
+from .adapter_set import AdapterSet
+from .fnv import BASE
+from .store import ConversationStore
+from .tokenization import ServedTokenizer
+from .transfer import decode_state, encode_state
+
+BASE_NAME = "base"  # the explicit `adapter` value that asks for no adapter
+
+
+class RequestError(ValueError):
+    """A request the server refuses; the message goes back to the client."""
+
+
+@dataclass
+class TransferMeta:
+    """The per-request row that travels with the state: [length, adapter hash]."""
+
+    length: int
+    adapter_hash: int = BASE
+
+    def to_tensor(self) -> Tensor:
+        return torch.tensor([self.length, self.adapter_hash], dtype=torch.int64)
+
+    @classmethod
+    def from_tensor(cls, values) -> "TransferMeta":
+        values = [int(v) for v in values]
+        if len(values) != 2:
+            raise RequestError(f"transfer metadata has {len(values)} fields, expected 2")
+        return cls(*values)
+
+
+@dataclass
+class PrefillResult:
+    conversation_id: str
+    h19_pooled: Tensor  # (C,)
+    state: bytes
+    meta: TransferMeta
+
+
+class PrefillStage:
+    def __init__(self, engine: CEDEngine, store: ConversationStore, tokenizer: ServedTokenizer):
+        self.engine, self.store, self.tokenizer = engine, store, tokenizer
+
+    def run(self, conversation_id: str | None, text_ids: list[int]) -> PrefillResult:
+        if not text_ids:
+            raise RequestError("text_input is empty")
+        new = not conversation_id
+        conversation_id = conversation_id or uuid.uuid4().hex
+        state = self.engine.new_conversation() if new else self.store.load(conversation_id)
+        tokens = self.tokenizer.user_turn(text_ids, first=state.length == 0)
+        if state.length + len(tokens) >= self.engine.config.max_context:
+            raise RequestError(f"the conversation would reach {state.length + len(tokens)} tokens, over the "
+                               f"context limit of {self.engine.config.max_context}")
+        self.store.begin_turn(conversation_id)
+        try:
+            h19 = self.engine.prefill(state, tokens)
+            return PrefillResult(conversation_id, h19.mean(0), encode_state(state, self.engine.config),
+                                 TransferMeta(state.length))
+        except BaseException:
+            self.store.end_turn(conversation_id)
+            raise
+
+
+@dataclass
+class RouteDecision:
+    adapter: str  # a name from the adapter set, or "base"
+    adapter_hash: int
+    scores: dict[str, float] = field(default_factory=dict)
+    routed: bool = False  # chosen by the head (not named by the client)
+    decision_ms: float = 0.0
+
+
+class RouterStage:
+    """`score` maps pooled H19 (C,) to one score per adapter of the set, or is None when no head is loaded."""
+
+    def __init__(self, score: Callable[[Tensor, AdapterSet], dict[str, float]] | None):
+        self.score = score
+
+    def run(self, adapter_set: AdapterSet, h19_pooled: Tensor, explicit: str | None) -> RouteDecision:
+        if explicit:
+            if explicit == BASE_NAME:
+                return RouteDecision(BASE_NAME, BASE)
+            entry = adapter_set.by_name(explicit)
+            if entry is None:
+                known = ", ".join([BASE_NAME, *(a.name for a in adapter_set.adapters)])
+                raise RequestError(f"unknown adapter {explicit!r}; this server offers: {known}")
+            return RouteDecision(entry.name, entry.hash)
+        if self.score is None or not adapter_set.adapters:
+            raise RequestError("no router head is loaded for this adapter set: name an adapter in `adapter`")
+        started = time.perf_counter()
+        scores = self.score(h19_pooled, adapter_set)
+        chosen = max(scores, key=scores.get)
+        elapsed = (time.perf_counter() - started) * 1e3
+        return RouteDecision(chosen, adapter_set.by_name(chosen).hash, scores, True, elapsed)
+
+
+@dataclass
+class DecodeRequest:
+    conversation_id: str
+    state: bytes
+    meta: TransferMeta
+    max_tokens: int = 64
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    end_conversation: bool = False
+
+
+class DecodeStage:
+    def __init__(self, engine: CEDEngine, store: ConversationStore, tokenizer: ServedTokenizer):
+        self.engine, self.store, self.tokenizer = engine, store, tokenizer
+
+    def adapter_for(self, adapter_set: AdapterSet, value: int) -> str | None:
+        if value == BASE:
+            return None
+        entry = adapter_set.by_hash(value)
+        if entry is None or entry.name not in self.engine.adapters:
+            raise RequestError(f"the transfer names adapter hash {value}, which this decode server does not have "
+                               "loaded (its adapter set differs from the prefill server's)")
+        return entry.name
+
+    def run(self, adapter_set: AdapterSet, request: DecodeRequest) -> Iterator[tuple[int, int]]:
+        """Yields (token id, positions replayed) per generated token; stores the state when done."""
+        try:
+            adapter = self.adapter_for(adapter_set, request.meta.adapter_hash)
+            state = decode_state(request.state, self.engine.config)
+            if state.length != request.meta.length:
+                raise RequestError(f"transfer says {request.meta.length} tokens, the state holds {state.length}")
+            logits, replayed = self.engine.replay(state, adapter)
+            budget = min(request.max_tokens, self.engine.config.max_context - state.length)
+            for token in self.engine.generate(state, adapter, logits, budget, request.sampling,
+                                              self.tokenizer.stop_ids):
+                yield token, replayed
+            if request.end_conversation:
+                self.store.delete(request.conversation_id)
+            else:
+                self.store.save(request.conversation_id, state)
+        finally:
+            self.store.end_turn(request.conversation_id)
+

@@ -1,0 +1,48 @@
+"""Reading request tensors and building responses, with the Triton utils module passed in (mockable in tests)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+
+def optional(pb, request, name: str):
+    tensor = pb.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+def required(pb, request, name: str):
+    value = optional(pb, request, name)
+    if value is None:
+        raise ValueError(f"missing input {name!r}")
+    return value
+
+
+def as_text(value, name: str) -> str | None:
+    if value is None or value.size == 0:
+        return None
+    if value.size != 1:
+        raise ValueError(f"{name} must hold one string, got shape {value.shape}")
+    item = value.reshape(-1)[0]
+    return item.decode("utf-8") if isinstance(item, bytes) else str(item)
+
+
+def as_scalar(value, name: str, kind: type, default):
+    if value is None or value.size == 0:
+        return default
+    if value.size != 1:
+        raise ValueError(f"{name} must hold one value, got shape {value.shape}")
+    return kind(value.reshape(-1)[0])
+
+
+def text_tensor(pb, name: str, text: str):
+    return pb.Tensor(name, np.array([text.encode("utf-8")], dtype=object))
+
+
+def json_tensor(pb, name: str, value) -> object:
+    return text_tensor(pb, name, json.dumps(value, sort_keys=True))
+
+
+def error_response(pb, message: str):
+    return pb.InferenceResponse(output_tensors=[], error=pb.TritonError(message))
