@@ -1,0 +1,58 @@
+"""One real tritonserver for the serving tests: the tiny preset (byte vocabulary) and two PEFT adapters, on
+loopback ports, started from this repository's model_repository/ with MOL2_* settings pointing at a temp dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+
+from ced import CEDConfig, CEDForCausalLM
+from ced.synthetic import ATTENTION, FFN, decoder_modules_regex, make_random_adapter
+from python_backend.launcher import Ports, start, stop, wait_ready
+from python_backend.serving import ROOT
+
+ADAPTERS = {"chat": "small talk and jokes", "coding": "Python code"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def served_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("served")
+    config = CEDConfig.from_name("tiny", vocab_size=256)  # every token is a byte: text round-trips exactly
+    model = CEDForCausalLM.from_ced(config, seed=0)
+    model.save_pretrained(root / "model")
+    entries = []
+    for seed, (name, description) in enumerate(ADAPTERS.items(), start=1):
+        make_random_adapter(model, root / "adapters" / name, decoder_modules_regex(config, ATTENTION + FFN),
+                            rank=4, seed=seed, scale=0.2)
+        entries.append({"name": name, "path": f"adapters/{name}", "description": description})
+    (root / "adapter_set.json").write_text(json.dumps({"route_prompt": "Pick one.", "adapters": entries}))
+    return root
+
+
+@pytest.fixture(scope="session")
+def server(served_dir):
+    ports = Ports(free_port(), free_port(), free_port())
+    settings = {"MOL2_MODEL_DIR": str(served_dir / "model"), "MOL2_ADAPTER_SET": str(served_dir / "adapter_set.json"),
+                "MOL2_STORE_DIR": str(served_dir / "conversations"), "MOL2_ROUTER_DIR": str(served_dir / "no-router")}
+    old = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
+    process = start(ROOT / "model_repository", ports, served_dir / "triton", served_dir / "tritonserver.log")
+    try:
+        wait_ready(process, ports, timeout_s=300)
+        yield ports
+    finally:
+        stop(process)
+        for key, value in old.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
