@@ -133,3 +133,29 @@ def test_counters_written_read_applied(server):
             if line.startswith(name + "{"):
                 totals[name] = totals.get(name, 0) + float(line.rsplit(" ", 1)[1])
     assert totals["mol2_routes_written"] == totals["mol2_routes_read"] == totals["mol2_routes_applied"] > 0
+
+
+def test_hot_adapter_update_mid_conversation(server, served_dir):
+    """Pointing `chat` at another adapter directory takes effect on the next turn, without a restart."""
+    set_file = served_dir / "adapter_set.json"
+    original = set_file.read_text()
+
+    def start():
+        return generate(server, text_input="hello", adapter="chat", max_tokens=3)["conversation_id_out"]
+
+    def again(conversation, adapter):
+        answer = generate(server, text_input="again", adapter=adapter, max_tokens=6, conversation_id=conversation)
+        assert "error" not in answer, answer
+        return answer["text_output"]
+
+    a, b, c = start(), start(), start()
+    before = again(b, "chat")
+    try:
+        updated = json.loads(original)
+        updated["adapters"][0]["path"] = "adapters/coding"  # "chat" now serves the coding adapter's weights
+        set_file.write_text(json.dumps(updated))
+        after = again(a, "chat")
+        assert after == again(c, "coding") and after != before
+    finally:
+        set_file.write_text(original)
+    assert again(start(), "chat") == before  # rolled back

@@ -2,6 +2,7 @@
 Outputs H19 pooled over the turn (for the router) and the conversation's state for the transfer to decode."""
 
 import json
+import time
 
 import numpy as np
 import triton_python_backend_utils as pb
@@ -16,9 +17,15 @@ class TritonPythonModel:
         settings = ServingSettings.from_parameters(triton_parameters(json.loads(args["model_config"])))
         self.served = Served.open(settings, with_adapters=False)  # prefill never runs an adapter
         self.stage = PrefillStage(self.served.engine, self.served.store, self.served.tokenizer)
+        self.last_expiry = time.monotonic()
 
     def execute(self, requests):
         self.served.watcher.poll()
+        now = time.monotonic()
+        if now - self.last_expiry > 60:  # idle conversations expire (never one with a turn in progress)
+            self.last_expiry = now
+            for conversation_id in self.served.store.expire():
+                pb.Logger.log_info(f"conversation {conversation_id} expired")
         responses = []
         for request in requests:
             try:
