@@ -2,6 +2,7 @@
 
     mol2 chat      a scripted multi-turn conversation that switches adapters, with the state accounting per turn
     mol2 serve     the Triton Inference Server: prefill -> MoL2 route -> decode, over HTTP and gRPC
+    mol2 repo build --adapter-set FILE   one more ensemble mol2_<set> for another adapter set
     mol2 router    the MoL2 router: routing data, H19 extraction, training, evaluation, benchmarks
 """
 
@@ -66,9 +67,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--artifacts", default="artifacts/demo-untrained", help="where the demo weights are cached")
     p.set_defaults(run=chat)
+    from python_backend.repo_build import add_parser as add_repo
     from python_backend.serve_cli import add_parser as add_serve
 
     add_serve(commands)
+    add_repo(commands)
     from mol2_router.cli import add_router_commands  # `mol2 router ...` lives with the router package
 
     add_router_commands(commands)

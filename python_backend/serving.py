@@ -1,8 +1,8 @@
 """Serving settings and the objects each Triton model builds from them in `initialize`.
 
-Every setting comes from the model's config.pbtxt `parameters`; an environment variable MOL2_<NAME> (set by
-`mol2 serve`) overrides it. Relative paths are relative to the project root. `model_dir: auto` serves the
-trained demo when it exists (artifacts/demo) and the untrained one otherwise.
+Every setting comes from the model's config.pbtxt `parameters`. A path left `auto` is taken from the
+environment variable MOL2_<NAME> when set (`mol2 serve` and the tests use this), else from the demo: the trained
+demo when it exists (artifacts/demo), the untrained one otherwise. Relative paths are relative to the project root.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from .store import ConversationStore
 from .tokenization import ServedTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULTS = {"model_dir": "auto", "adapter_set": "auto", "store_dir": "artifacts/conversations",
-            "router_dir": "auto", "threads": "1", "idle_timeout_s": "3600", "max_adapters": "8", "max_rank": "16"}
+DEFAULTS = {"model_dir": "auto", "adapter_set": "auto", "store_dir": "auto", "router_dir": "auto", "threads": "1",
+            "idle_timeout_s": "3600", "max_adapters": "8", "max_rank": "16"}
 
 
 def _resolve(path: str) -> Path:
@@ -59,13 +59,15 @@ class ServingSettings:
 
     @classmethod
     def from_parameters(cls, parameters: dict[str, str]) -> "ServingSettings":
-        values = {name: os.environ.get(f"MOL2_{name.upper()}", parameters.get(name, default))
-                  for name, default in DEFAULTS.items()}
+        values = {name: parameters.get(name, default) for name, default in DEFAULTS.items()}
+        values = {name: os.environ.get(f"MOL2_{name.upper()}", value) if value == "auto" else value
+                  for name, value in values.items()}
         model_dir = demo_model_dir() if values["model_dir"] == "auto" else _resolve(values["model_dir"])
         adapter_set = (model_dir.parent / "adapter_set.json" if values["adapter_set"] == "auto"
                        else _resolve(values["adapter_set"]))
         router_dir = model_dir.parent / "router" if values["router_dir"] == "auto" else _resolve(values["router_dir"])
-        return cls(model_dir, adapter_set, _resolve(values["store_dir"]),
+        store_dir = ROOT / "artifacts/conversations" if values["store_dir"] == "auto" else _resolve(values["store_dir"])
+        return cls(model_dir, adapter_set, store_dir,
                    router_dir if router_dir.is_dir() else None, int(values["threads"]),
                    float(values["idle_timeout_s"]), int(values["max_adapters"]), int(values["max_rank"]))
 

@@ -1,10 +1,12 @@
 """One real tritonserver for the serving tests: the tiny preset (byte vocabulary) and two PEFT adapters, on
-loopback ports, started from this repository's model_repository/ with MOL2_* settings pointing at a temp dir."""
+loopback ports, started from a copy of this repository's model_repository/ (plus a second adapter set built with
+`mol2 repo build`) with MOL2_* settings pointing at a temp dir."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 
 import pytest
@@ -12,6 +14,7 @@ import pytest
 from ced import CEDConfig, CEDForCausalLM
 from ced.synthetic import ATTENTION, FFN, decoder_modules_regex, make_random_adapter
 from python_backend.launcher import Ports, start, stop, wait_ready
+from python_backend.repo_build import build
 from python_backend.serving import ROOT
 
 ADAPTERS = {"chat": "small talk and jokes", "coding": "Python code"}
@@ -35,6 +38,8 @@ def served_dir(tmp_path_factory):
                             rank=4, seed=seed, scale=0.2)
         entries.append({"name": name, "path": f"adapters/{name}", "description": description})
     (root / "adapter_set.json").write_text(json.dumps({"route_prompt": "Pick one.", "adapters": entries}))
+    swapped = [dict(entry, name=f"alt_{entry['name']}") for entry in entries]  # same weights, other names
+    (root / "alt_set.json").write_text(json.dumps({"route_prompt": "Pick one.", "adapters": swapped}))
     return root
 
 
@@ -45,7 +50,10 @@ def server(served_dir):
                 "MOL2_STORE_DIR": str(served_dir / "conversations"), "MOL2_ROUTER_DIR": str(served_dir / "no-router")}
     old = {key: os.environ.get(key) for key in settings}
     os.environ.update(settings)
-    process = start(ROOT / "model_repository", ports, served_dir / "triton", served_dir / "tritonserver.log")
+    repository = served_dir / "model_repository"  # a copy, plus a second adapter set served side by side
+    shutil.copytree(ROOT / "model_repository", repository)
+    build(served_dir / "alt_set.json", repository, name="alt")
+    process = start(repository, ports, served_dir / "triton", served_dir / "tritonserver.log")
     try:
         wait_ready(process, ports, timeout_s=300)
         yield ports

@@ -83,3 +83,17 @@ def test_conversation_ids_cannot_name_files(tmp_path, bad, tiny_config):
     with pytest.raises(StoreError, match="conversation_id"):
         store.exists(bad)
     assert os.listdir(tmp_path) == []
+
+
+def test_repo_build_writes_one_ensemble_per_set(served_dir, tmp_path):
+    from python_backend.repo_build import build
+
+    repository = tmp_path / "repo"
+    written = build(served_dir / "adapter_set.json", repository, name="support")
+    assert written == ["router_support", "decode_support", "mol2_support"]
+    ensemble = (repository / "mol2_support" / "config.pbtxt").read_text()
+    assert 'name: "mol2_support"' in ensemble and 'model_name: "prefill"' in ensemble  # shared adapter-free stage
+    assert 'model_name: "router_support"' in ensemble and 'model_name: "decode_support"' in ensemble
+    decode = (repository / "decode_support" / "config.pbtxt").read_text()
+    assert str((served_dir / "adapter_set.json").resolve()) in decode and "decoupled: true" in decode
+    assert (repository / "decode_support" / "1" / "model.py").is_file()

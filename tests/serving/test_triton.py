@@ -159,3 +159,12 @@ def test_hot_adapter_update_mid_conversation(server, served_dir):
     finally:
         set_file.write_text(original)
     assert again(start(), "chat") == before  # rolled back
+
+
+def test_a_second_adapter_set_is_served_side_by_side(server):
+    ours = generate(server, text_input="same question", adapter="coding", max_tokens=5)
+    theirs = post(server, "/v2/models/mol2_alt/generate",
+                  dict(text_input="same question", adapter="alt_coding", max_tokens=5))
+    assert theirs["applied_adapter"] == "alt_coding" and theirs["text_output"] == ours["text_output"]
+    refused = post(server, "/v2/models/mol2_alt/generate", dict(text_input="q", adapter="coding", max_tokens=2))
+    assert "unknown adapter 'coding'" in refused["error"]

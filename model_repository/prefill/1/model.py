@@ -8,7 +8,7 @@ import numpy as np
 import triton_python_backend_utils as pb
 
 from python_backend.serving import Served, ServingSettings, triton_parameters
-from python_backend.stages import BASE_NAME, PrefillStage
+from python_backend.stages import PrefillStage
 from python_backend.triton_io import as_text, error_response, optional, required, text_tensor
 
 
@@ -20,7 +20,6 @@ class TritonPythonModel:
         self.last_expiry = time.monotonic()
 
     def execute(self, requests):
-        self.served.watcher.poll()
         now = time.monotonic()
         if now - self.last_expiry > 60:  # idle conversations expire (never one with a turn in progress)
             self.last_expiry = now
@@ -29,11 +28,6 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             try:
-                explicit = as_text(optional(pb, request, "adapter"), "adapter")
-                adapter_set = self.served.watcher.current
-                if explicit and explicit != BASE_NAME and adapter_set.by_name(explicit) is None:
-                    known = ", ".join([BASE_NAME, *(a.name for a in adapter_set.adapters)])
-                    raise ValueError(f"unknown adapter {explicit!r}; this server offers: {known}")
                 ids = required(pb, request, "_text_ids").reshape(-1).tolist()
                 result = self.stage.run(as_text(optional(pb, request, "conversation_id"), "conversation_id"), ids)
                 responses.append(pb.InferenceResponse([

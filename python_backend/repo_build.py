@@ -1,0 +1,72 @@
+"""`mol2 repo build --adapter-set FILE`: one ensemble `mol2_<set>` per adapter set, side by side in one repository.
+
+The adapter-free stages (tokenize, prefill) are shared by every set: that is the point of the design. Each set
+gets its own router (its own cached option side) and decode (its own adapter registry), generated from the
+templates in model_repository/ with the set's file as their `adapter_set` parameter.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+from .adapter_set import parse_adapter_set
+from .serving import ROOT
+
+TEMPLATES = ROOT / "model_repository"
+_SET_NAME = re.compile(r"^[a-z0-9_]{1,40}$")
+
+
+def set_name_of(path: Path) -> str:
+    name = re.sub(r"[^a-z0-9_]", "_", path.stem.lower())
+    if not _SET_NAME.match(name):
+        raise ValueError(f"cannot derive a model name from {path.name!r}: use --name")
+    return name
+
+
+def _with_parameter(config: str, key: str, value: str) -> str:
+    pattern = re.compile(rf'parameters \{{ key: "{key}" value: \{{ string_value: "[^"]*" \}} \}}')
+    line = f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}'
+    return pattern.sub(line, config) if pattern.search(config) else config.rstrip() + "\n" + line + "\n"
+
+
+def build(adapter_set: Path, repository: Path = TEMPLATES, name: str | None = None) -> list[str]:
+    """Write router_<set>, decode_<set> and mol2_<set> into `repository`; returns the model names written."""
+    adapter_set = adapter_set.resolve()
+    parse_adapter_set(adapter_set)  # refuse a bad file before writing anything
+    name = name or set_name_of(adapter_set)
+    written = []
+    for stage in ("router", "decode"):
+        target = repository / f"{stage}_{name}"
+        (target / "1").mkdir(parents=True, exist_ok=True)
+        shutil.copy2(TEMPLATES / stage / "1" / "model.py", target / "1" / "model.py")
+        config = (TEMPLATES / stage / "config.pbtxt").read_text()
+        config = config.replace(f'name: "{stage}"', f'name: "{stage}_{name}"', 1)
+        config = _with_parameter(config, "adapter_set", str(adapter_set))
+        if stage == "router":
+            config = _with_parameter(config, "router_dir", str(adapter_set.parent / "router"))
+        (target / "config.pbtxt").write_text(config)
+        written.append(target.name)
+    ensemble = (TEMPLATES / "mol2" / "config.pbtxt").read_text()
+    ensemble = ensemble.replace('name: "mol2"', f'name: "mol2_{name}"', 1)
+    ensemble = ensemble.replace('model_name: "router"', f'model_name: "router_{name}"')
+    ensemble = ensemble.replace('model_name: "decode"', f'model_name: "decode_{name}"')
+    target = repository / f"mol2_{name}"
+    (target / "1").mkdir(parents=True, exist_ok=True)
+    (target / "config.pbtxt").write_text(ensemble)
+    written.append(target.name)
+    return written
+
+
+def add_parser(commands) -> None:
+    repo = commands.add_parser("repo", help="build the Triton model repository").add_subparsers(dest="repo_command",
+                                                                                               required=True)
+    parser = repo.add_parser("build", help="add an ensemble mol2_<set> for an adapter-set file",
+                             description="Generate router_<set>, decode_<set> and the ensemble mol2_<set> for an "
+                                         "adapter-set JSON file (name, path, description per adapter; route_prompt).")
+    parser.add_argument("--adapter-set", required=True, type=Path, help="the adapter-set JSON file")
+    parser.add_argument("--name", help="the set's name (default: from the file name)")
+    parser.add_argument("--repository", type=Path, default=TEMPLATES, help="model repository to write into")
+    parser.set_defaults(run=lambda args: print("wrote", ", ".join(build(args.adapter_set, args.repository,
+                                                                        args.name))))
