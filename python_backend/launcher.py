@@ -8,6 +8,7 @@ stub's embedded Python imports this project's packages.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -65,8 +66,8 @@ def backend_directory(dest: Path) -> Path:
     return dest
 
 
-def server_environment() -> dict[str, str]:
-    env = dict(os.environ)
+def server_environment(overrides: dict[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, **(overrides or {})}
     libs = _wheel_root().parent / "nvidia_pytriton.libs"
     # The stub links libpython3.X.so: make it the running interpreter's, or its stdlib's extension modules
     # (e.g. _ssl, which transformers imports) fail with undefined symbols against the system's libpython.
@@ -79,7 +80,8 @@ def server_environment() -> dict[str, str]:
 
 
 def start(model_repository: Path, ports: Ports, workdir: Path, log_path: Path | None = None,
-          extra_args: list[str] = ()) -> subprocess.Popen:
+          extra_args: list[str] = (), env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start tritonserver; `env` adds variables for its model processes (e.g. MOL2_MODEL_DIR)."""
     server = _wheel_root() / "tritonserver" / "bin" / "tritonserver"
     command = [str(server), f"--model-repository={model_repository}",
                f"--backend-directory={backend_directory(workdir / 'backends')}",
@@ -87,7 +89,7 @@ def start(model_repository: Path, ports: Ports, workdir: Path, log_path: Path | 
                f"--http-address={ports.host}", f"--grpc-address={ports.host}", "--allow-metrics=true",
                "--allow-gpu-metrics=false", "--log-verbose=0", *extra_args]
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
-    return subprocess.Popen(command, env=server_environment(), stdout=log, stderr=subprocess.STDOUT,
+    return subprocess.Popen(command, env=server_environment(env), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
@@ -114,3 +116,15 @@ def stop(process: subprocess.Popen, timeout_s: float = 30.0) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+@contextlib.contextmanager
+def running(model_repository: Path, ports: Ports, workdir: Path, log_path: Path | None = None,
+            env: dict[str, str] | None = None, timeout_s: float = 300.0):
+    """A server that is ready inside the block and stopped after it."""
+    process = start(model_repository, ports, workdir, log_path, env=env)
+    try:
+        wait_ready(process, ports, timeout_s)
+        yield ports
+    finally:
+        stop(process)

@@ -5,7 +5,6 @@ loopback ports, started from a copy of this repository's model_repository/ (plus
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 
@@ -13,7 +12,7 @@ import pytest
 
 from ced import CEDConfig, CEDForCausalLM
 from ced.synthetic import ATTENTION, FFN, decoder_modules_regex, make_random_adapter
-from python_backend.launcher import Ports, start, stop, wait_ready
+from python_backend.launcher import Ports, running
 from python_backend.repo_build import build
 from python_backend.serving import ROOT
 
@@ -44,23 +43,28 @@ def served_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def server(served_dir):
-    ports = Ports(free_port(), free_port(), free_port())
+def start_server(served_dir):
+    """A context manager: a tritonserver on fresh loopback ports with MOL2_* settings pointing at `served_dir`."""
     settings = {"MOL2_MODEL_DIR": str(served_dir / "model"), "MOL2_ADAPTER_SET": str(served_dir / "adapter_set.json"),
                 "MOL2_STORE_DIR": str(served_dir / "conversations"), "MOL2_ROUTER_DIR": str(served_dir / "no-router")}
-    old = {key: os.environ.get(key) for key in settings}
-    os.environ.update(settings)
-    repository = served_dir / "model_repository"  # a copy, plus a second adapter set served side by side
+
+    def server_on(repository):
+        ports = Ports(free_port(), free_port(), free_port())
+        return running(repository, ports, served_dir / "triton", served_dir / "tritonserver.log", env=settings)
+
+    return server_on
+
+
+@pytest.fixture(scope="session")
+def repository(served_dir):
+    """A copy of model_repository/, plus a second adapter set built with `mol2 repo build`."""
+    repository = served_dir / "model_repository"
     shutil.copytree(ROOT / "model_repository", repository)
     build(served_dir / "alt_set.json", repository, name="alt")
-    process = start(repository, ports, served_dir / "triton", served_dir / "tritonserver.log")
-    try:
-        wait_ready(process, ports, timeout_s=300)
+    return repository
+
+
+@pytest.fixture(scope="session")
+def server(start_server, repository):
+    with start_server(repository) as ports:
         yield ports
-    finally:
-        stop(process)
-        for key, value in old.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from ced import CEDConfig, CEDEngine
+from ced import CEDConfig
 from python_backend.fnv import adapter_hash
 from python_backend.store import ConversationBusy, ConversationStore, StoreError, UnknownConversation
 from python_backend.transfer import TransferError, decode_state, encode_state
