@@ -168,3 +168,46 @@ def test_a_second_adapter_set_is_served_side_by_side(server):
     assert theirs["applied_adapter"] == "alt_coding" and theirs["text_output"] == ours["text_output"]
     refused = post(server, "/v2/models/mol2_alt/generate", dict(text_input="q", adapter="coding", max_tokens=2))
     assert "unknown adapter 'coding'" in refused["error"]
+
+
+def test_bounded_load_every_answer_equals_its_serial_run(server, served_dir):
+    """32 conversations at once, 3 turns each, mixed adapters; then every conversation ends."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = served_dir / "conversations"
+    before = sorted(p.name for p in store.glob("*.state"))
+    adapters = ["chat", "coding", "base"]
+    scripts = {n: [(f"conversation {n} turn {t}", adapters[(n + t) % 3]) for t in range(3)] for n in range(32)}
+
+    def run(n):
+        conversation, texts = None, []
+        for turn, (text, adapter) in enumerate(scripts[n]):
+            fields = dict(text_input=text, adapter=adapter, max_tokens=4, end_conversation=turn == 2)
+            if conversation:
+                fields["conversation_id"] = conversation
+            answer = generate(server, **fields)
+            assert "error" not in answer, answer
+            conversation = answer["conversation_id_out"]
+            texts.append(answer["text_output"])
+        return texts
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        answers = list(pool.map(run, range(32)))
+    for n in (0, 1, 2, 17, 31):  # serial runs of a sample, in process
+        assert answers[n] == in_process_turns(served_dir, scripts[n], max_tokens=4), n
+    assert sorted(p.name for p in store.glob("*.state")) == before
+    assert not list(store.glob("*.lock"))
+
+
+def test_concurrent_turns_on_one_conversation_are_refused_not_interleaved(server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    conversation = generate(server, text_input="start", adapter="chat", max_tokens=2)["conversation_id_out"]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        answers = list(pool.map(lambda i: generate(server, text_input=f"racing {i}", adapter="coding", max_tokens=40,
+                                                   conversation_id=conversation), range(4)))
+    served = [a for a in answers if "error" not in a]
+    refused = [a for a in answers if "error" in a]
+    assert served and all("already has a turn in progress" in a["error"] for a in refused)
+    assert "error" not in generate(server, text_input="after the race", adapter="chat", max_tokens=2,
+                                   conversation_id=conversation)
