@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from heterofold.baselines import ALL_METHODS, fit_method
+from heterofold.baselines import ALL_METHODS, COMPOSED, compose, fit_method
 from heterofold.evaluate import Direction, EvalConfig, evaluate, make_items
 from heterofold import corpus
 from heterofold.pipeline import DIRECTIONS, collect_direction
@@ -61,16 +61,18 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--methods", help="comma list (default: all, or the main ones with --quick)")
     p.add_argument("--n-train", type=int, default=None)
     p.add_argument("--n-held", type=int, default=None)
+    p.add_argument("--n-docs", type=int, default=16, help="evaluation items per task (full run)")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     dirs = ([tuple(d.split(":")) for d in args.directions.split(",")] if args.directions
             else ([("llama", "qwen3")] if args.quick else DIRECTIONS))
     methods = args.methods.split(",") if args.methods else (QUICK_METHODS if args.quick else ALL_METHODS)
-    n_train = args.n_train or (32 if args.quick else 96)
-    n_held = args.n_held or (8 if args.quick else 24)
-    ecfg = EvalConfig(n_docs=8, n_mc=8, n_recon=6) if args.quick else EvalConfig()
-    zoo = load_zoo()
+    n_train = args.n_train or (32 if args.quick else 64)
+    n_held = args.n_held or (8 if args.quick else 16)
+    ecfg = EvalConfig(n_docs=8, n_mc=8, n_recon=6) if args.quick else EvalConfig(
+        n_docs=args.n_docs, n_mc=args.n_docs, n_recon=max(args.n_docs * 2 // 3, 1))
+    zoo = load_zoo(tuple(dict.fromkeys(f for d in dirs for f in d)))
     items = make_items(corpus.build(ROOT / "corpus.json")["heldout"], ecfg)
     rows = []
     for s_name, r_name in dirs:
@@ -78,13 +80,22 @@ def main(argv=None) -> list[dict]:
         s, r = zoo[s_name], zoo[r_name]
         r.set_attn("eager")                       # attention weights for attention_kl
         train, held, _ = collect_direction(s, r, n_train, n_held)
-        mappers = {m: (None if m == "text_reprefill" else fit_method(m, s.adapter, r.adapter, train, held)[0])
-                   for m in methods}
+        fitted = {"text_reprefill": None}
+        fit = lambda m: fitted.get(m) or fit_method(m, s.adapter, r.adapter, train, held)[0]
+        for m in methods:
+            if m in COMPOSED:
+                k_from, v_from = (fitted.setdefault(b, fit(b)) for b in COMPOSED[m])
+                fitted[m] = compose(k_from, v_from)
+            elif m not in fitted:
+                fitted[m] = fit(m)
+        mappers = {m: fitted[m] for m in methods}
         t1 = time.time()
         for row in evaluate(Direction(s, r), mappers, items):
             rows.append({"direction": f"{s_name}->{r_name}", **row})
         r.set_attn("sdpa")
         print(f"[{s_name}->{r_name}] fit {t1 - t0:.0f}s, eval {time.time() - t1:.0f}s", flush=True)
+        if args.json:                              # written after every direction, so a long run keeps its rows
+            Path(args.json).write_text(json.dumps(rows, indent=1))
     print(markdown(rows))
     Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
     plot(rows, Path(args.plot))

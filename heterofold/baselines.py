@@ -5,16 +5,14 @@ Every method returns a mapper with `.apply(sender_capture, pairs) -> (ks, vs)` a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from . import align
-from .calibrate import FitConfig, Sample, _stack, fit, with_pairing
+from .calibrate import FitConfig, Sample, _stack, fit
 from .families import Adapter, Capture
-from .fold import gather
+from .fold import HeteroMap, LayerMap, gather
 
 # method -> FitConfig for the affine ones; Dense Latent and text re-prefill are handled separately.
 AFFINE_METHODS = {
@@ -30,6 +28,9 @@ AFFINE_METHODS = {
     "abl_recolor_v_calib": FitConfig(calibrate_k=False),
     "abl_ridge_kv_calib": FitConfig(method="ridge"),
 }
+# ablations that equal a composition of two fits (K maps of the first, V maps of the second)
+COMPOSED = {"abl_recolor_k_calib": ("heterofold", "abl_recolor_only"),
+            "abl_recolor_v_calib": ("abl_recolor_only", "heterofold")}
 TRANSFER_METHODS = ["heterofold", "kv_ridge_ta", "dense_latent_ta", "kv_ridge_index"]
 ALL_METHODS = ["text_reprefill", *TRANSFER_METHODS, *[m for m in AFFINE_METHODS if m.startswith("abl_")]]
 
@@ -86,6 +87,15 @@ def fit_dense_latent(sender: Adapter, receiver: Adapter, train: list[Sample], he
                     best, state = h, {k: v.clone() for k, v in net.state_dict().items()}
             net.load_state_dict(state)
     return m.eval()
+
+
+def compose(k_from: HeteroMap, v_from: HeteroMap) -> HeteroMap:
+    """K maps of one fit with V maps of another. K and V are fitted independently per layer, so the K-only and
+    V-only calibration ablations are exactly (calibrated K, Recolor V) and (Recolor K, calibrated V)."""
+    layers = [LayerMap(a.sender_layers, a.k, b.v) for a, b in zip(k_from.layers, v_from.layers)]
+    out = HeteroMap(layers, {})
+    out.pairing = k_from.pairing
+    return out
 
 
 def fit_method(name: str, sender: Adapter, receiver: Adapter, train: list[Sample], held: list[Sample],

@@ -9,7 +9,7 @@ held-out loss (the Recolor initialisation counts as epoch 0), then folds it (fol
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch

@@ -33,11 +33,13 @@ def cmd_eval(args) -> None:
 
 
 def cmd_apply(args) -> None:
-    from .pipeline import apply_map
+    from .pipeline import apply_map, native_continuation
 
     s, r = _pair(args)
     path = Path(args.map or Path(args.root) / "maps" / f"{args.sender}-to-{args.receiver}")
-    print(apply_map(path, s, r, args.text, args.max_new))
+    print(f"mapped cache ({path}): {apply_map(path, s, r, args.text, args.max_new)!r}")
+    if args.native:
+        print(f"native prefill:  {native_continuation(r, args.text, args.max_new)!r}")
 
 
 def main(argv=None) -> None:
@@ -69,6 +71,7 @@ def main(argv=None) -> None:
     a.add_argument("text")
     a.add_argument("--map", help="map folder (default ROOT/maps/SENDER-to-RECEIVER)")
     a.add_argument("--max-new", type=int, default=24)
+    a.add_argument("--native", action="store_true", help="also print the receiver's own continuation")
     a.set_defaults(fn=cmd_apply)
 
     args = p.parse_args(argv)

@@ -95,6 +95,13 @@ class Direction:
     def __init__(self, sender, receiver):
         self.s, self.r = sender, receiver
         self.S, self.R = sender.adapter, receiver.adapter
+        self._sender = {}                        # text -> (sender capture, end offsets): the sender prefills once
+
+    def sender_side(self, text: str):
+        if text not in self._sender:
+            s_ids, s_ends = self.s.tok.encode(text)
+            self._sender[text] = (self.S.capture(s_ids), s_ends)
+        return self._sender[text]
 
     def kv(self, method: str, mapper, text: str):
         """Receiver ids of `text` and the per-layer pre-norm K/V for all of them but the last."""
@@ -102,9 +109,9 @@ class Direction:
         if mapper is None:                                          # text re-prefill: the receiver's own K/V
             cap = self.R.capture(r_ids[:-1])
             return r_ids, cap.k, cap.v
-        s_ids, s_ends = self.s.tok.encode(text)
+        cap, s_ends = self.sender_side(text)
         pairs = align.pair(s_ends, r_ends[:-1], getattr(mapper, "pairing", "ta"))
-        ks, vs = mapper.apply(self.S.capture(s_ids), pairs)
+        ks, vs = mapper.apply(cap, pairs)
         return r_ids, ks, vs
 
     def score(self, ks, vs, feed: list[int], attentions: bool):

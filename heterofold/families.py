@@ -159,14 +159,16 @@ class Adapter:
         past = cache.get_seq_length()
         ids_t = torch.as_tensor(ids).view(1, -1)
         pos = torch.arange(past, past + ids_t.shape[1]).view(1, -1)
-        return self.model(input_ids=ids_t, past_key_values=cache, position_ids=pos, use_cache=True,
+        return self.model(input_ids=ids_t, cache=cache, position_ids=pos, use_cache=True,
                           output_attentions=attentions)
 
     @torch.no_grad()
-    def greedy(self, cache: DynamicCache, first: int, max_new: int) -> list[int]:
+    def greedy(self, cache: DynamicCache, first: int, max_new: int, banned: int = 0) -> list[int]:
+        """Greedy continuation; `banned` (the unknown-token row) is never emitted."""
         out, tok = [], first
         for _ in range(max_new):
             logits = self.decode_from(cache, [tok]).logits[0, -1]
+            logits[banned] = float("-inf")
             tok = int(logits.argmax())
             out.append(tok)
         return out

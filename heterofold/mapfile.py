@@ -10,7 +10,6 @@ import hashlib
 import json
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file, save_file
 
 from .fold import HeteroMap, LayerMap

@@ -38,6 +38,9 @@ def fit_and_save(s: ZooModel, r: ZooModel, out: Path, n_train: int = 128, n_held
 @torch.no_grad()
 def apply_map(path: Path, s: ZooModel, r: ZooModel, text: str, max_new: int = 24) -> str:
     """Sender prefills `text`; the receiver continues from the mapped cache (no receiver prefill)."""
+    if not (Path(path) / "map.json").exists():
+        raise FileNotFoundError(f"no map at {path}: run `heterofold fit --sender {s.spec.name} "
+                                f"--receiver {r.spec.name}` first")
     m = mapfile.load(path, mapfile.fingerprint(s.adapter, s.tok), mapfile.fingerprint(r.adapter, r.tok))
     s_ids, s_ends = s.tok.encode(text)
     r_ids, r_ends = r.tok.encode(text)
@@ -45,3 +48,11 @@ def apply_map(path: Path, s: ZooModel, r: ZooModel, text: str, max_new: int = 24
     pairs = align.token_alignment(s_ends, r_ends[:-1])
     cache = transfer(m, cap, pairs, r.adapter)
     return r.tok.decode(r.adapter.greedy(cache, r_ids[-1], max_new))
+
+
+@torch.no_grad()
+def native_continuation(r: ZooModel, text: str, max_new: int = 24) -> str:
+    """The reference: the receiver prefills `text` itself."""
+    r_ids = r.tok.ids(text)
+    cap = r.adapter.capture(r_ids[:-1])
+    return r.tok.decode(r.adapter.greedy(r.adapter.build_cache(cap.k, cap.v), r_ids[-1], max_new))

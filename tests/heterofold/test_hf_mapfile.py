@@ -1,5 +1,4 @@
 """The map artifact round-trips (safetensors + JSON fingerprints) and refuses a map for another pair by name."""
-import numpy as np
 import pytest
 import torch
 

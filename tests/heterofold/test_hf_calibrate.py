@@ -1,5 +1,4 @@
 """Output-aware calibration lowers the held-out loss on a tiny pair, and the fitted map runs end to end."""
-import torch
 
 from heterofold.baselines import fit_method
 from heterofold.calibrate import FitConfig, collect, fit
@@ -38,5 +37,4 @@ def test_fitted_map_shapes_and_end_to_end_eval(tiny_models, tokenizers, texts, t
                     progress=False)
     by = {row["method"]: row for row in rows}
     assert by["text_reprefill"]["next_token_kl"] < 1e-6 and by["text_reprefill"]["top1_agreement"] == 1.0
-    print(rows)
     assert all(row["next_token_kl"] >= -1e-9 and 0 <= row["top1_agreement"] <= 1 for row in rows)
