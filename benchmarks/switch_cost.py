@@ -54,24 +54,33 @@ def timed(fn) -> float:
 
 def measure(engine: CEDEngine, baseline: EveryLayerBaseline, names: list[str], contexts: list[int],
             visits: list[int], repeats: int) -> list[dict]:
-    rows = []
-    for context in tqdm(contexts, desc="context lengths"):
+    """Every context's conversation is built first; then each visit switches every context in turn, ours right
+    beside the baseline's, so drift of the machine spreads over all rows instead of skewing one."""
+    states, conversations = {}, {}
+    for context in tqdm(contexts, desc="prefilling the histories"):
         tokens = torch.randint(0, engine.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
-        state = engine.new_conversation()
-        engine.prefill(state, tokens.tolist())  # the history, written once by the adapter-free stage
-        engine.replay(state, None)  # warm-up
-        conversation = BaselineConversation(tokens.tolist())
-        ours_ms, baseline_ms, bytes_after = [], [], {}
-        for visit, name in enumerate(names[: max(visits)], start=1):
+        states[context] = engine.new_conversation()
+        engine.prefill(states[context], tokens.tolist())  # the history, written once by the adapter-free stage
+        engine.replay(states[context], None)  # warm-up
+        conversations[context] = BaselineConversation(tokens.tolist())
+    ours_ms = {c: [] for c in contexts}
+    baseline_ms = {c: [] for c in contexts}
+    bytes_after = {c: {} for c in contexts}
+    for visit, name in enumerate(tqdm(names[: max(visits)], desc="adapters visited"), start=1):
+        for context in contexts:
+            state, conversation = states[context], conversations[context]
             extra = repeats if visit == 1 and context <= 8192 else 1  # a 32K full prefill is slow enough alone
-            for _ in range(extra):  # interleaved: each of ours beside one of theirs
-                ours_ms.append(timed(lambda: engine.replay(state, name)[0].argmax()))
-                baseline_ms.append(timed(lambda: baseline.switch(conversation, name).argmax()))
+            for _ in range(extra):
+                ours_ms[context].append(timed(lambda: engine.replay(state, name)[0].argmax()))
+                baseline_ms[context].append(timed(lambda: baseline.switch(conversation, name).argmax()))
             if visit in visits:
-                bytes_after[visit] = (sum(state.nbytes().values()), conversation.nbytes())
-        (ours_med, ours_lo, ours_hi), (base_med, base_lo, base_hi) = median_spread(ours_ms), median_spread(baseline_ms)
+                bytes_after[context][visit] = (sum(state.nbytes().values()), conversation.nbytes())
+    rows = []
+    for context in contexts:
+        (ours_med, ours_lo, ours_hi) = median_spread(ours_ms[context])
+        (base_med, base_lo, base_hi) = median_spread(baseline_ms[context])
         for visit in visits:
-            ours_bytes, base_bytes = bytes_after[visit]
+            ours_bytes, base_bytes = bytes_after[context][visit]
             rows.append(dict(context_tokens=context, adapters_visited=visit, replay_ms=ours_med, replay_ms_min=ours_lo,
                              replay_ms_max=ours_hi, baseline_ms=base_med, baseline_ms_min=base_lo,
                              baseline_ms_max=base_hi, latency_ratio=ours_med / base_med, state_bytes=ours_bytes,
