@@ -110,6 +110,8 @@ def plot(rows: list[dict], path: str) -> None:
         right.plot(visited, [r["state_bytes"] / 2**20 for r in these], "-s", label=f"ours, {context}")
     right.set(xscale="log", yscale="log", xlabel="adapters visited", ylabel="conversation state (MiB)",
               title="State bytes")
+    right.set_xticks(visited, [str(v) for v in visited])
+    right.minorticks_off()
     right.legend(fontsize=7, ncol=2)
     save_figure(figure, path)
 
