@@ -10,21 +10,23 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
 
 def chat(args: argparse.Namespace) -> None:
-    from .demo import SCRIPT, ByteTokenizer, untrained_demo
+    from .demo import SCRIPT, demo_artifacts
     from .engine import CEDEngine, SamplingParams
     from .model import CEDForCausalLM
+    from .tokenization import ChatTokenizer
 
-    artifacts = untrained_demo(args.artifacts)
+    artifacts = demo_artifacts(args.artifacts)
     model = CEDForCausalLM.from_pretrained(artifacts.model_dir)
     engine = CEDEngine(model, max_adapters=8, max_rank=16)
     for name, path in artifacts.adapters.items():
         engine.adapters.load(name, path)
-    tokenizer, config = ByteTokenizer(), engine.config
+    tokenizer, config = ChatTokenizer(artifacts.model_dir), engine.config
     print(f"demo model: {config.n_layers} layers (encoder 0-{config.decoder_start - 1}, decoder "
           f"{config.decoder_start}-{config.n_layers - 1}), W={config.window}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
@@ -39,15 +41,16 @@ def chat(args: argparse.Namespace) -> None:
     print("-" * len(header))
     script = SCRIPT[: args.turns] if args.turns else SCRIPT
     for number, (text, adapter) in enumerate(script, start=1):
-        user = tokenizer.encode(text)
+        user = tokenizer.user_turn(tokenizer.encode(text), first=state.length == 0)
         engine.prefill(state, user)
         started = time.perf_counter()
         logits, replayed = engine.replay(state, adapter)
         replay_ms = (time.perf_counter() - started) * 1e3
         reply = list(engine.generate(state, adapter, logits, args.max_tokens,
-                                     SamplingParams(temperature=args.temperature, seed=args.seed)))
+                                     SamplingParams(temperature=args.temperature, seed=args.seed),
+                                     tokenizer.stop_ids))
         sizes = state.nbytes()
-        shown = tokenizer.decode(reply).encode("unicode_escape").decode()[:40]
+        shown = tokenizer.decode(reply).encode("unicode_escape").decode()[:48]
         print(f"{number:>4}  {str(adapter):<8} {len(user):>5} {state.length:>8} {replayed:>8} {replay_ms:>9.1f} "
               f"{sizes['shared']:>13,} {sizes['adapter_bound']:>13,}  {shown}")
     print(f"\n{len(script)} turns, {state.length} tokens of history held once; replay never exceeded "
@@ -65,7 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
-    p.add_argument("--artifacts", default="artifacts/demo-untrained", help="where the demo weights are cached")
+    p.add_argument("--artifacts", type=Path, default=None,
+                   help="a demo folder (model/ + adapters/); default: models/demo if trained, else the untrained "
+                        "demo built under artifacts/demo-untrained")
     p.set_defaults(run=chat)
     from python_backend.repo_build import add_parser as add_repo
     from python_backend.serve_cli import add_parser as add_serve

@@ -1,8 +1,8 @@
 """The demo the command line serves: the `demo` preset with four domain adapters, and a scripted conversation.
 
-Until trained weights exist (the demo-model issue), the demo builds seeded random weights and random PEFT
-adapters once, caches them under artifacts/, and tokenizes text as UTF-8 bytes. The engine's costs and state
-accounting are the real ones; the generated text is noise until the weights are trained.
+The trained demo (model, BPE tokenizer, adapters, router head) is committed under models/demo/, built by
+`python -m engine_build demo`. Without it, the demo falls back to seeded random weights and random PEFT adapters,
+built once under artifacts/demo-untrained/ and tokenized as UTF-8 bytes: costs and bytes are real, text is noise.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from .config import CEDConfig
 from .model import CEDForCausalLM
 from .synthetic import ATTENTION, FFN, decoder_modules_regex, make_random_adapter
 
-DEFAULT_ROOT = Path("artifacts/demo-untrained")
+PROJECT = Path(__file__).resolve().parent.parent
+TRAINED_ROOT = PROJECT / "models/demo"
+DEFAULT_ROOT = PROJECT / "artifacts/demo-untrained"
 
 ADAPTERS = {
     "chat": "small talk, jokes and everyday conversation",
@@ -35,16 +37,6 @@ SCRIPT: list[tuple[str, str | None]] = [  # (user turn, adapter)
     ("Thanks, that was helpful. One more joke?", "chat"),
     ("And what does the base model say without any adapter?", None),
 ]
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as token ids: the stand-in until the demo BPE tokenizer is trained."""
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
 @dataclass
@@ -73,3 +65,18 @@ def untrained_demo(root: Path = DEFAULT_ROOT, preset: str = "demo") -> DemoArtif
         steps.close()
         done.write_text(json.dumps({"preset": preset, "trained": False}))
     return DemoArtifacts(root / "model", adapters, trained=False)
+
+
+def trained_demo(root: Path = TRAINED_ROOT) -> DemoArtifacts | None:
+    root = Path(root)
+    if not (root / "model" / "config.json").is_file():
+        return None
+    adapters = {name: root / "adapters" / name for name in ADAPTERS if (root / "adapters" / name).is_dir()}
+    return DemoArtifacts(root / "model", adapters, trained=True)
+
+
+def demo_artifacts(root: Path | None = None) -> DemoArtifacts:
+    """The trained demo when it is there (or the folder given), else the untrained one (built on first use)."""
+    if root is not None:
+        return trained_demo(root) or untrained_demo(root)
+    return trained_demo() or untrained_demo()

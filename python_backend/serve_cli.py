@@ -14,10 +14,9 @@ from .serving import ROOT, demo_model_dir, write_demo_adapter_set
 
 def prepare_demo() -> Path:
     """The served model: the trained demo if built, else the untrained one (built on first use)."""
-    from ced.demo import untrained_demo
+    from ced.demo import demo_artifacts
 
-    if not (ROOT / "artifacts/demo/model/config.json").is_file():
-        untrained_demo(ROOT / "artifacts/demo-untrained")
+    demo_artifacts()  # builds the untrained demo on first use when no trained one is committed
     model_dir = demo_model_dir()
     if not (model_dir.parent / "adapter_set.json").is_file():
         write_demo_adapter_set(model_dir)

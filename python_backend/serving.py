@@ -2,7 +2,7 @@
 
 Every setting comes from the model's config.pbtxt `parameters`. A path left `auto` is taken from the
 environment variable MOL2_<NAME> when set (`mol2 serve` and the tests use this), else from the demo: the trained
-demo when it exists (artifacts/demo), the untrained one otherwise. Relative paths are relative to the project root.
+demo when it exists (models/demo), the untrained one otherwise. Relative paths are relative to the project root.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ced.model import CEDForCausalLM
 
 from .adapter_set import AdapterSetWatcher, sync_registry
 from .store import ConversationStore
-from .tokenization import ServedTokenizer
+from ced.tokenization import ChatTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS = {"model_dir": "auto", "adapter_set": "auto", "store_dir": "auto", "router_dir": "auto", "threads": "1",
@@ -31,8 +31,10 @@ def _resolve(path: str) -> Path:
 
 
 def demo_model_dir() -> Path:
-    trained = ROOT / "artifacts/demo/model"
-    return trained if (trained / "config.json").is_file() else ROOT / "artifacts/demo-untrained/model"
+    from ced.demo import DEFAULT_ROOT, TRAINED_ROOT
+
+    trained = TRAINED_ROOT / "model"
+    return trained if (trained / "config.json").is_file() else DEFAULT_ROOT / "model"
 
 
 def write_demo_adapter_set(model_dir: Path) -> Path:
@@ -83,7 +85,7 @@ class Served:
     settings: ServingSettings
     engine: CEDEngine
     store: ConversationStore
-    tokenizer: ServedTokenizer
+    tokenizer: ChatTokenizer
     watcher: AdapterSetWatcher
     fingerprints: dict
 
@@ -93,7 +95,7 @@ class Served:
         engine = CEDEngine(CEDForCausalLM.from_pretrained(settings.model_dir), settings.max_adapters,
                            settings.max_rank)
         served = cls(settings, engine, ConversationStore(settings.store_dir, engine.config, settings.idle_timeout_s),
-                     ServedTokenizer(settings.model_dir), AdapterSetWatcher(settings.adapter_set), {})
+                     ChatTokenizer(settings.model_dir), AdapterSetWatcher(settings.adapter_set), {})
         if with_adapters:
             sync_registry(engine.adapters, served.watcher.current, served.fingerprints)
         return served

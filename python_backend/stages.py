@@ -23,7 +23,7 @@ from ced.engine import CEDEngine, SamplingParams
 from .adapter_set import AdapterSet
 from .fnv import BASE
 from .store import ConversationStore
-from .tokenization import ServedTokenizer
+from ced.tokenization import ChatTokenizer
 from .transfer import decode_state, encode_state
 
 BASE_NAME = "base"  # the explicit `adapter` value that asks for no adapter
@@ -60,7 +60,7 @@ class PrefillResult:
 
 
 class PrefillStage:
-    def __init__(self, engine: CEDEngine, store: ConversationStore, tokenizer: ServedTokenizer):
+    def __init__(self, engine: CEDEngine, store: ConversationStore, tokenizer: ChatTokenizer):
         self.engine, self.store, self.tokenizer = engine, store, tokenizer
 
     def run(self, conversation_id: str | None, text_ids: list[int]) -> PrefillResult:
@@ -127,7 +127,7 @@ class DecodeRequest:
 
 
 class DecodeStage:
-    def __init__(self, engine: CEDEngine, store: ConversationStore, tokenizer: ServedTokenizer):
+    def __init__(self, engine: CEDEngine, store: ConversationStore, tokenizer: ChatTokenizer):
         self.engine, self.store, self.tokenizer = engine, store, tokenizer
 
     def adapter_for(self, adapter_set: AdapterSet, value: int) -> str | None:

@@ -14,7 +14,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from ced import CEDEngine, CEDForCausalLM
-from python_backend.tokenization import ServedTokenizer
+from ced.tokenization import ChatTokenizer
 
 
 def post(ports, path, body) -> dict:
@@ -35,7 +35,7 @@ def in_process_turns(served_dir, turns: list[tuple[str, str]], max_tokens: int) 
     engine = CEDEngine(CEDForCausalLM.from_pretrained(served_dir / "model"))
     for name in ("chat", "coding"):
         engine.adapters.load(name, served_dir / "adapters" / name)
-    tokenizer, state, texts = ServedTokenizer(served_dir / "model"), engine.new_conversation(), []
+    tokenizer, state, texts = ChatTokenizer(served_dir / "model"), engine.new_conversation(), []
     for text, adapter in turns:
         logits = engine.turn(state, tokenizer.user_turn(tokenizer.encode(text), state.length == 0),
                              None if adapter == "base" else adapter).logits

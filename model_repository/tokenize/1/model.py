@@ -4,7 +4,7 @@ import numpy as np
 import triton_python_backend_utils as pb
 
 from python_backend.serving import ServingSettings, triton_parameters
-from python_backend.tokenization import ServedTokenizer
+from ced.tokenization import ChatTokenizer
 from python_backend.triton_io import as_text, error_response, required
 
 
@@ -13,7 +13,7 @@ class TritonPythonModel:
         import json
 
         settings = ServingSettings.from_parameters(triton_parameters(json.loads(args["model_config"])))
-        self.tokenizer = ServedTokenizer(settings.model_dir)
+        self.tokenizer = ChatTokenizer(settings.model_dir)
 
     def execute(self, requests):
         responses = []

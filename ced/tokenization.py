@@ -1,14 +1,23 @@
-"""The served model's tokenizer: the trained BPE (`tokenizer.json` beside the weights) with its chat markers, or
-UTF-8 bytes for the untrained demo. A user turn is wrapped the way the model was trained on dialogues."""
+"""A model's chat tokenizer: the trained BPE (`tokenizer.json` beside the weights) with its chat markers, or UTF-8
+bytes for the untrained demo. A user turn is wrapped the way the model was trained on dialogues."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ced.demo import ByteTokenizer
 
 
-class ServedTokenizer:
+class ByteTokenizer:
+    """UTF-8 bytes as token ids: the stand-in when a model has no trained tokenizer."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class ChatTokenizer:
     def __init__(self, model_dir: str | Path):
         path = Path(model_dir) / "tokenizer.json"
         if path.is_file():
