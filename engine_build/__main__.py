@@ -1,4 +1,12 @@
-"""Command line: `python -m engine_build corpus --out DIR` and `python -m engine_build tokenizer --corpus DIR --out DIR`."""
+"""Command line for the demo model's build steps.
+
+    python -m engine_build corpus    --out DIR                              the offline text corpus
+    python -m engine_build tokenizer --corpus DIR --out DIR                 the BPE tokenizer
+    python -m engine_build pretrain  --corpus DIR --tokenizer DIR --out DIR  the base model (resumable)
+    python -m engine_build adapters  --corpus DIR --model DIR --out DIR      the PEFT adapters and their table
+    python -m engine_build demo      [--root artifacts]                     all four into artifacts/demo, skipping
+                                                                            the steps already done
+"""
 from __future__ import annotations
 
 import argparse
@@ -57,8 +65,181 @@ def _cmd_tokenizer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pretrain_config(args: argparse.Namespace):
+    from .pretrain import PretrainConfig
+
+    return PretrainConfig(preset=args.preset, tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size,
+                          lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed, eval_every=args.eval_every,
+                          ckpt_every=args.ckpt_every, valid_rows=args.valid_rows, bf16=not args.fp32,
+                          chunk_size=args.chunk_size)
+
+
+def _cmd_pretrain(args: argparse.Namespace) -> int:
+    import torch
+
+    from .pretrain import pretrain
+
+    torch.set_num_threads(args.threads)
+    summary = pretrain(_pretrain_config(args), args.corpus, args.tokenizer, args.out, progress=not args.quiet,
+                       keep_work=args.keep_work, stop_after=args.stop_after)
+    if not summary["finished"]:
+        print(f"stopped at step {summary['step']}; run the same command again to resume")
+        return 0
+    minutes = summary["train_seconds"] / 60
+    print(f"{summary['steps']} steps, {summary['tokens_seen']:,} tokens seen in {minutes:.1f} min "
+          f"({summary['tokens_per_second']:.0f} tokens/s); final train loss {summary['final_train_loss']:.4f}, "
+          f"valid loss {summary['final_valid_loss']:.4f} -> {Path(args.out) / 'model'}")
+    return 0
+
+
+def _adapter_config(args: argparse.Namespace):
+    from .adapters import AdapterTrainConfig
+
+    return AdapterTrainConfig(rank=args.rank, alpha=args.alpha, lr=args.adapter_lr, steps=args.steps,
+                              batch_size=args.adapter_batch_size, valid_rows=args.adapter_valid_rows,
+                              seed=args.seed, every_layer_domain=args.every_layer_domain,
+                              max_doc_tokens=args.max_doc_tokens)
+
+
+def _cmd_adapters(args: argparse.Namespace) -> int:
+    import torch
+
+    from .adapters import train_adapters
+
+    torch.set_num_threads(args.threads)
+    rows = train_adapters(args.corpus, args.model, args.out, _adapter_config(args), progress=not args.quiet)
+    worse = [r["name"] for r in rows if r["lower_than_base"] is False]
+    print(f"-> {args.out} (adapters.md, adapters.json)" + (f"; NOT better than the base: {worse}" if worse else ""))
+    return 0
+
+
+def _add_adapter_options(p: argparse.ArgumentParser) -> None:
+    from .adapters import AdapterTrainConfig
+
+    d = AdapterTrainConfig
+    p.add_argument("--rank", type=int, default=d.rank, help="LoRA rank (default: %(default)s)")
+    p.add_argument("--alpha", type=float, default=d.alpha, help="LoRA alpha (default: %(default)s)")
+    p.add_argument("--adapter-lr", type=float, default=d.lr, help="peak learning rate (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=d.steps, help="steps per adapter (default: %(default)s)")
+    p.add_argument("--adapter-batch-size", type=int, default=d.batch_size, help="rows per step (default: %(default)s)")
+    p.add_argument("--adapter-valid-rows", type=int, default=d.valid_rows,
+                   help="most validation rows per domain (default: %(default)s)")
+    p.add_argument("--max-doc-tokens", type=int, default=d.max_doc_tokens,
+                   help="one random window of at most this many tokens per document (default: %(default)s)")
+    p.add_argument("--every-layer-domain", default=d.every_layer_domain,
+                   help="data of the every-layer adapter (default: %(default)s)")
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    """corpus -> tokenizer -> pretrain -> adapters under --root, each step skipped when its output exists."""
+    import torch
+
+    from .adapters import train_adapters
+    from .pretrain import pretrain
+
+    torch.set_num_threads(args.threads)
+    root = Path(args.root)
+    corpus, tokenizer, demo = root / "corpus", root / "tokenizer", root / "demo"
+    quiet = ["--quiet"] if args.quiet else []
+    steps = [
+        ("corpus", corpus / "manifest.json",
+         lambda: main(["corpus", "--out", str(corpus), "--apt-dir", str(root / "apt")] + quiet)),
+        ("tokenizer", tokenizer / "tokenizer.json",
+         lambda: main(["tokenizer", "--corpus", str(corpus), "--out", str(tokenizer)] + quiet)),
+        ("pretrain", demo / "pretrain" / "summary.json",
+         lambda: pretrain(_pretrain_config(args), corpus, tokenizer, demo, progress=not args.quiet)),
+        ("adapters", demo / "adapters" / "adapters.json",
+         lambda: train_adapters(corpus, demo / "model", demo / "adapters", _adapter_config(args),
+                                progress=not args.quiet)),
+    ]
+    for name, done, run in steps:
+        if done.exists():
+            print(f"[demo] {name}: already built ({done})")
+            continue
+        print(f"[demo] {name}: building (first run only; cached in {done.parent})")
+        run()
+    manifest = write_demo_manifest(demo, args)
+    print(f"[demo] ready: {demo} ({manifest['total_mb']:.1f} MB of model + adapters); see {demo / 'README.md'}")
+    return 0
+
+
+def write_demo_manifest(demo: Path, args: argparse.Namespace | None = None) -> dict:
+    """manifest.json and README.md in `demo`: the commands, the training numbers, the adapter table, file sizes."""
+    import hashlib
+
+    summary = json.loads((demo / "pretrain" / "summary.json").read_text())
+    adapters = json.loads((demo / "adapters" / "adapters.json").read_text())
+    files = {}
+    for path in sorted((demo / "model").glob("*")) + sorted((demo / "adapters").glob("*/*")):
+        if path.is_file():
+            files[str(path.relative_to(demo))] = {"bytes": path.stat().st_size,
+                                                  "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    total = sum(f["bytes"] for f in files.values()) / C.MB
+    pre = {k: v for k, v in summary.items() if k != "history"}
+    commands = [
+        "python -m engine_build corpus --out artifacts/corpus",
+        "python -m engine_build tokenizer --corpus artifacts/corpus --out artifacts/tokenizer",
+        "python -m engine_build pretrain --corpus artifacts/corpus --tokenizer artifacts/tokenizer --out artifacts/demo",
+        "python -m engine_build adapters --corpus artifacts/corpus --model artifacts/demo/model "
+        "--out artifacts/demo/adapters",
+        "# or all four, skipping finished steps: python -m engine_build demo --root artifacts",
+    ]
+    manifest = {"commands": commands, "pretrain": pre, "valid_history": summary["history"]["valid"],
+                "adapters": adapters, "files": files, "total_mb": total}
+    (demo / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    cfg = pre["config"]
+    lines = [
+        "# The demo CED model and its adapters", "",
+        "Built offline on CPU from `artifacts/corpus` (Debian descriptions, man pages, the Python standard library, "
+        "fortunes, UI files) with the 8192-token BPE in `artifacts/tokenizer`.", "",
+        "```bash", *commands, "```", "",
+        "## Pretraining", "",
+        f"Preset `{cfg['preset']}`, {pre['parameters'] / 1e6:.2f}M parameters; {pre['steps']} steps x "
+        f"{cfg['batch_size']} rows x {cfg['seq_len']} tokens = **{pre['tokens_seen']:,} tokens seen** in "
+        f"{pre['train_seconds'] / 60:.1f} min of training ({pre['tokens_per_second']:.0f} tokens/s); "
+        f"mixture {cfg['weights']}; AdamW lr {cfg['lr']} (warmup {cfg['warmup_steps']}, cosine to "
+        f"{cfg['min_lr_ratio']}x), bf16 autocast {cfg['bf16']}, seed {cfg['seed']}.", "",
+        f"Final train loss (mean of the last {cfg['eval_every']} steps) **{pre['final_train_loss']:.4f}**, "
+        f"validation loss **{pre['final_valid_loss']:.4f}** nats/token (the run's fixed validation mixture: "
+        f"{cfg['valid_rows']} rows of the validation split, bf16 autocast {cfg['bf16']}; the adapter table below "
+        "scores its own rows in float32, so its base numbers differ).", "",
+        "| step | tokens | valid loss | " + " | ".join(pre["final_valid_per_domain"]) + " |",
+        "|---|---|---|" + "---|" * len(pre["final_valid_per_domain"]),
+    ]
+    for v in summary["history"]["valid"]:
+        lines.append(f"| {v['step']} | {v['tokens']:,} | {v['loss']:.4f} | "
+                     + " | ".join(f"{v['per_domain'][d]:.3f}" for d in pre["final_valid_per_domain"]) + " |")
+    lines += ["", "![loss curves](pretrain/loss_curve.png)", "", "## Adapters", "",
+              (demo / "adapters" / "adapters.md").read_text().split("\n\n", 1)[-1].strip(), "",
+              f"## Files ({total:.1f} MB in model/ and adapters/)", "",
+              "| file | bytes | sha256 |", "|---|---|---|"]
+    lines += [f"| {name} | {f['bytes']:,} | `{f['sha256'][:16]}` |" for name, f in files.items()]
+    (demo / "README.md").write_text("\n".join(lines) + "\n")
+    return manifest
+
+
+def _add_pretrain_options(p: argparse.ArgumentParser) -> None:
+    from .pretrain import PretrainConfig
+
+    d = PretrainConfig
+    p.add_argument("--preset", default=d.preset, help="CED preset (default: %(default)s)")
+    p.add_argument("--tokens", type=int, default=d.tokens, help="training tokens (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per packed row (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="rows per step (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default: %(default)s)")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="weights, rows and order (default: %(default)s)")
+    p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between validations (default: %(default)s)")
+    p.add_argument("--ckpt-every", type=int, default=d.ckpt_every, help="steps between checkpoints (default: %(default)s)")
+    p.add_argument("--valid-rows", type=int, default=d.valid_rows, help="validation rows (default: %(default)s)")
+    p.add_argument("--chunk-size", type=int, default=d.chunk_size, help="queries per forward chunk (default: %(default)s)")
+    p.add_argument("--fp32", action="store_true", help="no bfloat16 autocast")
+    p.add_argument("--keep-work", action="store_true", help="keep the packed rows and the last checkpoint")
+    p.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after N steps this session")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m engine_build", description="Build the demo model's corpus and tokenizer.")
+    p = argparse.ArgumentParser(prog="python -m engine_build", description="Build the demo model: corpus, tokenizer, pretraining, adapters.")
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("corpus", help="build the offline text corpus (per-domain train/valid JSONL + manifest.json)",
@@ -89,6 +270,40 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-stats", action="store_true", help="skip counting tokens per domain")
     t.add_argument("--quiet", action="store_true", help="no progress bars")
     t.set_defaults(fn=_cmd_tokenizer)
+
+    r = sub.add_parser("pretrain", help="pretrain a CED preset on the corpus (resumable)",
+                       description=__import__("engine_build.pretrain", fromlist=["x"]).__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("--corpus", default="artifacts/corpus", help="corpus folder (default: %(default)s)")
+    r.add_argument("--tokenizer", default="artifacts/tokenizer", help="tokenizer folder (default: %(default)s)")
+    r.add_argument("--out", default="artifacts/demo", help="writes OUT/model and OUT/pretrain (default: %(default)s)")
+    r.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
+    r.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_pretrain_options(r)
+    r.set_defaults(fn=_cmd_pretrain)
+
+    a = sub.add_parser("adapters", help="train the domain adapters with PEFT and print base vs adapter losses",
+                       description=__import__("engine_build.adapters", fromlist=["x"]).__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    a.add_argument("--corpus", default="artifacts/corpus", help="corpus folder (default: %(default)s)")
+    a.add_argument("--model", default="artifacts/demo/model", help="pretrained model folder (default: %(default)s)")
+    a.add_argument("--out", default="artifacts/demo/adapters", help="output folder (default: %(default)s)")
+    a.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    a.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
+    a.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_adapter_options(a)
+    a.set_defaults(fn=_cmd_adapters)
+
+    m = sub.add_parser("demo", help="build everything the demo needs into ROOT/demo (skips finished steps)",
+                       description="Run corpus -> tokenizer -> pretrain -> adapters into ROOT/corpus, ROOT/tokenizer "
+                                   "and ROOT/demo, skipping every step whose output is already there, then write "
+                                   "ROOT/demo/manifest.json and README.md (commands, numbers, sizes).")
+    m.add_argument("--root", default="artifacts", help="artifacts folder (default: %(default)s)")
+    m.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
+    m.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_pretrain_options(m)
+    _add_adapter_options(m)
+    m.set_defaults(fn=_cmd_demo)
     return p
 
 
