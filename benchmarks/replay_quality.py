@@ -114,6 +114,9 @@ def load(args) -> tuple[CEDEngine, list[str | None], list[int], bool]:
         model, adapter_dirs = CEDForCausalLM.from_pretrained(root / "model"), root / "adapters"
         names = [n for n in (*TRAINED, "random_l0") if (adapter_dirs / n).is_dir()]
         tokenizer = load_tokenizer(root / "model" / "tokenizer.json")
+        if not (Path(args.corpus) / "general.valid.jsonl").is_file():
+            raise SystemExit(f"no corpus at {args.corpus}: build it with `python -m engine_build corpus --out "
+                             f"{args.corpus}` (about a minute)")
         stream = []
         for domain in ("general", "chat", "coding", "agent", "design"):
             with open(Path(args.corpus) / f"{domain}.valid.jsonl") as lines:
@@ -205,7 +208,7 @@ def plot(rows, curves, hidden, out: Path) -> None:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="shorter inputs and three adapters: a smoke check")
-    parser.add_argument("--artifacts", default="artifacts/demo", help="trained demo model and adapters")
+    parser.add_argument("--artifacts", default="models/demo", help="trained demo model and adapters")
     parser.add_argument("--corpus", default="artifacts/corpus", help="corpus with *.valid.jsonl")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="write the pair table as JSON rows here")

@@ -238,6 +238,14 @@ def _add_pretrain_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after N steps this session")
 
 
+def _cmd_publish(args: argparse.Namespace) -> int:
+    from .publish import publish
+
+    summary = publish(args.src, args.dst)
+    print(f"published {args.src} -> {args.dst}: {summary['total_bytes'] / 2**20:.1f} MiB")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m engine_build", description="Build the demo model: corpus, tokenizer, pretraining, adapters.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -304,6 +312,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pretrain_options(m)
     _add_adapter_options(m)
     m.set_defaults(fn=_cmd_demo)
+
+    u = sub.add_parser("publish", help="copy a built demo into models/demo with bf16 weights (what is committed)")
+    u.add_argument("--src", type=Path, default=Path("artifacts/demo"), help="the built demo (default artifacts/demo)")
+    u.add_argument("--dst", type=Path, default=Path("models/demo"), help="where to publish (default models/demo)")
+    u.set_defaults(fn=_cmd_publish)
     return p
 
 

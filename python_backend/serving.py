@@ -41,8 +41,11 @@ def write_demo_adapter_set(model_dir: Path) -> Path:
     """adapter_set.json beside the demo's adapters (their description.txt files give the descriptions)."""
     adapters = model_dir.parent / "adapters"
     path = model_dir.parent / "adapter_set.json"
-    entries = [{"name": d.name, "path": f"adapters/{d.name}", "description": (d / "description.txt").read_text().strip()}
-               for d in sorted(adapters.iterdir()) if (d / "description.txt").is_file()]
+    from ced.demo import ADAPTERS
+
+    entries = [{"name": name, "path": f"adapters/{name}", "description": (adapters / name / "description.txt").read_text()
+                .strip() if (adapters / name / "description.txt").is_file() else description}
+               for name, description in ADAPTERS.items() if (adapters / name).is_dir()]
     path.write_text(json.dumps({"route_prompt": "Choose the adapter best suited to the user's request.",
                                 "adapters": entries}, indent=2) + "\n")
     return path
