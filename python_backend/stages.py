@@ -69,14 +69,16 @@ class PrefillStage:
         new = not conversation_id
         conversation_id = conversation_id or uuid.uuid4().hex
         state = self.engine.new_conversation() if new else self.store.load(conversation_id)
-        tokens = self.tokenizer.user_turn(text_ids, first=state.length == 0)
+        first = state.length == 0
+        tokens = self.tokenizer.user_turn(text_ids, first=first)
+        skip = 1 if first and self.tokenizer.trained else 0  # pool the turn without <|bos|>, as the head was trained
         if state.length + len(tokens) >= self.engine.config.max_context:
             raise RequestError(f"the conversation would reach {state.length + len(tokens)} tokens, over the "
                                f"context limit of {self.engine.config.max_context}")
         self.store.begin_turn(conversation_id)
         try:
             h19 = self.engine.prefill(state, tokens)
-            return PrefillResult(conversation_id, h19.mean(0), encode_state(state, self.engine.config),
+            return PrefillResult(conversation_id, h19[skip:].mean(0), encode_state(state, self.engine.config),
                                  TransferMeta(state.length))
         except BaseException:
             self.store.end_turn(conversation_id)

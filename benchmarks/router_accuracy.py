@@ -1,0 +1,200 @@
+"""Router accuracy: MoL2 under the recipe modes A/B/C (seeds) beside Contextual MoL and MoL, on the same questions.
+
+MoL2 and Contextual-MoL heads trained by `mol2 router train` are scored on every split from the cached H19
+features (generic train/dev/test, domain train/dev and the held-out domain benchmark). MoL needs no training but
+decodes for every decision, so it runs through the engine on a class-stratified subset of the domain benchmark;
+on that same subset all three routers also run end to end through the engine (prefill the turn, then decide), which
+checks that the feature path and the serving path agree.
+
+    python -m benchmarks.router_accuracy [--quick] [--json PATH] [--plot PATH] [--checkpoint last|best]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ._report import markdown_table, save_figure, write_json
+
+COLUMNS = ["router", "mode", "checkpoint", "split", "accuracy", "std", "seeds", "n"]
+
+
+def head_predictions(demo, data_dir, kind, checkpoint, modes, progress=False):
+    """{(mode, seed): {split: [correct...]}} plus the sets, for every saved run of `kind`."""
+    from mol2_router.features import RouteTokenizer
+    from mol2_router.pipeline import CONTEXTUAL_LIMITS, WORK, load_head, load_model, load_sets
+    from mol2_router.train import OptionTable, Scorer, predict
+
+    runs = sorted((WORK / "runs" / demo.tag).glob(f"{kind}-*-seed*"))
+    runs = [r for r in runs if (r / checkpoint / "head.safetensors").exists() and r.name.split("-")[1] in modes]
+    if not runs:
+        return {}, {}
+    model = load_model(demo.model_dir)
+    _, config, meta = load_head(runs[0] / checkpoint)
+    limits = meta.get("limits", CONTEXTUAL_LIMITS if kind == "contextual" else None)
+    sets = load_sets(model, demo, data_dir, kind, config, limits=limits, progress=progress, log=None)
+    table = OptionTable(RouteTokenizer(demo.tokenizer), config.max_option_tokens) if kind == "mol2" else None
+    embedding = model.get_input_embeddings().weight.detach().float()
+    out = {}
+    for run in runs:
+        head, _, meta = load_head(run / checkpoint)
+        scorer = Scorer(head, embedding if kind == "mol2" else None)
+        out[meta["mode"], meta["seed"]] = {
+            split: [(q, q.candidates[p].name) for q, p in zip(rs.questions, predict(scorer, rs, table).tolist())]
+            for split, rs in sets.items()}
+    return out, sets
+
+
+def accuracy_rows(router, predictions, checkpoint) -> list[dict]:
+    rows, by_mode = [], defaultdict(lambda: defaultdict(list))
+    for (mode, seed), splits in predictions.items():
+        for split, pairs in splits.items():
+            by_mode[mode][split].append((seed, sum(q.label == p for q, p in pairs) / len(pairs), len(pairs)))
+    for mode in sorted(by_mode):
+        for split, runs in by_mode[mode].items():
+            accs = [a for _, a, _ in runs]
+            rows.append({"router": router, "mode": mode, "checkpoint": checkpoint, "split": split,
+                         "accuracy": statistics.fmean(accs), "std": statistics.pstdev(accs) if len(accs) > 1 else 0.0,
+                         "seeds": len(accs), "n": runs[0][2]})
+    return rows
+
+
+def breakdown(router, pairs, key) -> list[dict]:
+    groups = defaultdict(list)
+    for q, p in pairs:
+        groups[key(q)].append(q.label == p)
+    return [{"router": router, "group": g, "n": len(v), "accuracy": sum(v) / len(v)} for g, v in sorted(groups.items())]
+
+
+def stratified(questions, per_class: int) -> list:
+    by = defaultdict(list)
+    for q in questions:
+        by[q.label].append(q)
+    return [q for label in sorted(by) for q in by[label][:per_class]]
+
+
+def harness(demo, questions, mol_tokens, checkpoint, progress=True) -> dict[str, list]:
+    """The three routers through the engine on the same questions: prefill the turn, then each decides."""
+    from mol2_router import ContextualRouter, MoL2Router, MoLRouter
+    from mol2_router.features import BOS, RouteTokenizer, turn_tokens
+    from mol2_router.pipeline import demo_engine, load_head, run_dir
+
+    engine = demo_engine(demo)
+    tok = RouteTokenizer(demo.tokenizer)
+    candidates = questions[0].candidates
+    routers = {"mol": MoLRouter(engine, tok, candidates, adapter="random_l0", max_tokens=mol_tokens)}
+    for kind, name in (("mol2", "mol2"), ("contextual", "contextual")):
+        folder = run_dir(demo, kind, "B", 0) / checkpoint
+        if (folder / "head.safetensors").exists():
+            head, config, _ = load_head(folder)
+            routers[name] = MoL2Router(head, engine.model.get_input_embeddings().weight, tok, candidates) \
+                if kind == "mol2" else ContextualRouter(engine, head, tok, candidates, config.max_option_tokens)
+    out = {name: [] for name in routers}
+    reasons = []
+    for q in tqdm(questions, desc="harness (all routers per question)", disable=not progress):
+        state = engine.new_conversation()
+        h19 = engine.prefill(state, [BOS] + turn_tokens(tok, q.query))[1:]
+        for name, router in routers.items():
+            d = router.decide(h19, state=state) if name == "mol2" else router.decide(state, h19)
+            out[name].append((q, d.adapter))
+            if name == "mol" and len(reasons) < 3:
+                reasons.append(d.reason)
+    return out, reasons
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    splits = ["generic.test", "domain.bench"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, split in zip(axes, splits):
+        labels, values, errors = [], [], []
+        for r in rows:
+            if r["split"] == split and r["router"] in ("mol2", "contextual"):
+                labels.append(f"{'ctx' if r['router'] == 'contextual' else r['router']}\n{r['mode']}")
+                values.append(100 * r["accuracy"])
+                errors.append(100 * r["std"])
+        for r in rows:
+            if r["router"] == "mol" and split == "domain.bench" and r["split"].startswith("domain.bench"):
+                labels.append("mol\n(subset)")
+                values.append(100 * r["accuracy"])
+                errors.append(0)
+        ax.bar(range(len(values)), values, yerr=errors, capsize=3,
+               color=["C0" if l.startswith("mol2") else "C1" if l.startswith("ctx") else "C2" for l in labels])
+        ax.set_xticks(range(len(values)), labels, fontsize=8)
+        ax.set_title(split)
+        ax.set_ylim(0, 100)
+    axes[0].set_ylabel("accuracy (%)")
+    fig.suptitle("Routing accuracy: MoL2 modes A/B/C (mean ± std over seeds) vs Contextual MoL (ctx) and MoL")
+    save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.router_accuracy", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="harness on 3 questions per class, short MoL decode")
+    parser.add_argument("--harness-per-class", type=int, default=25)
+    parser.add_argument("--mol-tokens", type=int, default=64)
+    parser.add_argument("--checkpoint", choices=("last", "best"), default="last")
+    parser.add_argument("--modes", nargs="+", default=["A", "B", "C"])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--artifacts", default="artifacts")
+    parser.add_argument("--data", default="artifacts/router/data")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--plot", default="artifacts/benchmarks/router_accuracy.png")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.quick:
+        args.harness_per_class, args.mol_tokens = 3, min(args.mol_tokens, 16)
+
+    from mol2_router.data import read_questions
+    from mol2_router.pipeline import resolve_demo
+
+    demo = resolve_demo(args.artifacts)
+    rows, details = [], []
+    for kind in ("mol2", "contextual"):
+        predictions, _ = head_predictions(demo, args.data, kind, args.checkpoint, args.modes)
+        if not predictions:
+            print(f"no trained {kind} heads under artifacts/router/runs/{demo.tag}: run `mol2 router train --kind {kind}`")
+            continue
+        rows += accuracy_rows(kind, predictions, args.checkpoint)
+        b = [v for (mode, seed), v in sorted(predictions.items()) if mode == "B"]
+        if b:
+            details += [{"table": "per class, domain.bench, mode B seed %d" % 0, **r}
+                        for r in breakdown(kind, b[0]["domain.bench"], lambda q: q.label)]
+            if "generic.test" in b[0]:
+                details += [{"table": "per source, generic.test, mode B seed 0", **r}
+                            for r in breakdown(kind, b[0]["generic.test"], lambda q: q.source)]
+    bench = stratified(read_questions(Path(args.data) / "domain.bench.jsonl"), args.harness_per_class)
+    harnessed, reasons = harness(demo, bench, args.mol_tokens, args.checkpoint)
+    split = f"domain.bench[harness {len(bench)}]"
+    for name, pairs in harnessed.items():
+        rows.append({"router": name, "mode": "B" if name != "mol" else "-", "checkpoint": args.checkpoint if name != "mol"
+                     else "-", "split": split, "accuracy": sum(q.label == p for q, p in pairs) / len(pairs),
+                     "std": 0.0, "seeds": 1, "n": len(pairs)})
+        details += [{"table": f"per class, {split}", **r} for r in breakdown(name, pairs, lambda q: q.label)]
+    print(f"\nbackbone: {demo.model_dir} ({'trained' if demo.trained else 'untrained, seeded random weights'}); "
+          f"checkpoint: {args.checkpoint}; MoL: random_l0, up to {args.mol_tokens} tokens")
+    print(markdown_table(rows, COLUMNS))
+    for table in dict.fromkeys(d["table"] for d in details):
+        print(f"\n{table}")
+        print(markdown_table([d for d in details if d["table"] == table], ["router", "group", "n", "accuracy"]))
+    print("\nMoL's first decoded texts:", json.dumps(reasons)[:600])
+    write_json(rows + [{"router": d["router"], "mode": "detail", "split": d["table"], "group": d["group"],
+                        "accuracy": d["accuracy"], "n": d["n"]} for d in details], args.json)
+    if args.plot:
+        plot(rows, args.plot)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,418 @@
+"""Builders of routing questions from offline real text (RESOURCES.md), in the format of `data.py`.
+
+Generic data (every question has its own candidate set of 2..77 options, so fixed labels cannot be memorized):
+- `debian-section`: a package's description -> its archive section (section texts as on packages.debian.org);
+- `debtags:<facet>`: a package's description -> its one tag in a facet (tag texts from the debtags vocabulary);
+- `fortune`: a fortune cookie -> its category;
+- `man-section`: a man page's one-line summary -> its manual section (section texts from man(1)).
+Domain data: queries for the four demo adapters (chat, agent, coding, design) from the corpus, with the
+adapters' own descriptions; the corpus train split feeds domain train/dev, its valid split the held-out benchmark.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterator
+
+from .data import Candidate, Question, split_of, unit_hash, write_questions
+
+MIN_CANDIDATES, MAX_CANDIDATES = 2, 77
+
+DEBIAN_SECTIONS = {  # packages.debian.org section texts
+    "admin": "Administration Utilities: utilities to administer system resources, manage user accounts, etc.",
+    "cli-mono": "Mono/CLI: everything about Mono and the Common Language Infrastructure.",
+    "comm": "Communication Programs: software to use your modem in the old fashioned style.",
+    "database": "Databases: database servers and clients.",
+    "debug": "Debug packages: debugging information for executables and shared libraries.",
+    "devel": "Development: development utilities, compilers, development environments, libraries, etc.",
+    "doc": "Documentation: FAQs, HOWTOs and other documents, and software needed to browse documentation.",
+    "editors": "Editors: software to edit files. Programming environments.",
+    "education": "Education: software for learning and teaching.",
+    "electronics": "Electronics: electronics utilities.",
+    "embedded": "Embedded software: software suitable for use in embedded applications.",
+    "fonts": "Fonts: font packages.",
+    "games": "Games: programs to spend a nice time with after all this setting up.",
+    "gnome": "GNOME: the GNOME desktop environment, a set of integrated applications.",
+    "gnu-r": "GNU R: everything about GNU R, a statistical computation and graphics system.",
+    "gnustep": "GNUstep: the GNUstep environment.",
+    "golang": "Go: Go programming language, libraries, and development tools.",
+    "graphics": "Graphics: editors, viewers, converters... everything to become an artist.",
+    "hamradio": "Ham Radio: software for ham radio.",
+    "haskell": "Haskell: everything about Haskell.",
+    "httpd": "Web Servers: web servers and their modules.",
+    "interpreters": "Interpreters: all kind of interpreters for interpreted languages. Macro processors.",
+    "introspection": "Introspection: machine readable introspection data for use by development tools.",
+    "java": "Java: everything about Java.",
+    "javascript": "JavaScript: JavaScript programming language, libraries, and development tools.",
+    "kde": "KDE: the K Desktop Environment, a set of integrated applications.",
+    "kernel": "Kernels: operating system kernels and related modules.",
+    "libdevel": "Library development: libraries necessary for developers to write programs that use them.",
+    "libs": "Libraries: libraries to make other programs work.",
+    "lisp": "Lisp: everything about Lisp.",
+    "localization": "Language packs: localization support for big software packages.",
+    "mail": "Mail: programs to route, read, and compose e-mail messages.",
+    "math": "Mathematics: math software.",
+    "metapackages": "Meta packages: packages that mainly provide dependencies on other packages.",
+    "misc": "Miscellaneous: miscellaneous utilities that didn't fit well anywhere else.",
+    "net": "Network: daemons and clients to connect your system to the world.",
+    "news": "Newsgroups: software to access Usenet, to set up news servers, etc.",
+    "ocaml": "OCaml: everything about OCaml, an ML language implementation.",
+    "oldlibs": "Old Libraries: old versions of libraries, kept for backward compatibility.",
+    "otherosfs": "Other OS's and file systems: run programs of other operating systems, use their filesystems.",
+    "perl": "Perl: everything about Perl, an interpreted scripting language.",
+    "php": "PHP: everything about PHP.",
+    "python": "Python: everything about Python, an interpreted, interactive object oriented language.",
+    "ruby": "Ruby: everything about Ruby, an interpreted object oriented language.",
+    "rust": "Rust: Rust programming language, library crates, and development tools.",
+    "science": "Science: basic tools for scientific work.",
+    "shells": "Shells: command shells. Friendly user interfaces for beginners.",
+    "sound": "Sound: utilities to deal with sound: mixers, players, recorders, CD players, etc.",
+    "tasks": "Tasks: packages used by tasksel to configure the system for a specific task.",
+    "tex": "TeX: the famous typesetting software and related programs.",
+    "text": "Text Processing: utilities to format and print text documents.",
+    "utils": "Utilities: file and disk manipulation, backup and archive tools, system monitoring, etc.",
+    "vcs": "Version Control Systems: version control systems and related utilities.",
+    "video": "Video: video viewers, editors, recording, streaming.",
+    "web": "Web Software: web servers, browsers, proxies, download tools etc.",
+    "x11": "X Window System software: X servers, libraries, window managers, terminal emulators.",
+    "xfce": "Xfce: a fast and lightweight desktop environment.",
+    "zope": "Zope/Plone Framework: Zope application server and Plone content management system.",
+}
+
+MAN_SECTIONS = {  # man(1)
+    "1": "Executable programs or shell commands",
+    "2": "System calls (functions provided by the kernel)",
+    "3": "Library calls (functions within program libraries)",
+    "4": "Special files (usually found in /dev)",
+    "5": "File formats and conventions, e.g. /etc/passwd",
+    "6": "Games",
+    "7": "Miscellaneous (including macro packages and conventions)",
+    "8": "System administration commands (usually only for root)",
+}
+
+FACETS = ("use", "works-with", "implemented-in", "interface", "role", "scope", "field", "game", "uitoolkit",
+          "network", "admin", "x11", "made-of", "works-with-format", "protocol", "hardware", "security")
+
+
+# -- Debian package records ----------------------------------------------------------------------------
+
+def debian_records(apt_lists: str | Path) -> list[dict]:
+    """One record per package: name, section, short, long, tags (apt list files, any compression)."""
+    from engine_build.corpus import _deb822, _long_description, _read_list_file
+
+    lists = Path(apt_lists)
+    files = sorted(p for p in lists.iterdir() if re.search(r"_(Packages|i18n_Translation-en)(\.\w+)?$", p.name))
+    if not any("_Packages" in p.name for p in files):
+        raise FileNotFoundError(f"no *_Packages files in {lists}: run apt-get update (see RESOURCES.md)")
+    long_by_md5, packages = {}, {}
+    for path in files:
+        for rec in _deb822(_read_list_file(path)):
+            desc = rec.get("Description-en") or rec.get("Description")
+            if not desc or "Package" not in rec:
+                continue
+            short, _, rest = desc.partition("\n")
+            md5 = rec.get("Description-md5", "")
+            if rest.strip():
+                long_by_md5.setdefault(md5, _long_description(rest))
+            if "Description-en" in rec and "Section" not in rec:
+                continue
+            tags = [t.strip() for t in rec.get("Tag", "").replace("\n", " ").split(",") if t.strip()]
+            packages.setdefault(rec["Package"], {"name": rec["Package"], "section": rec.get("Section", "").split("/")[-1],
+                                                 "short": short.strip(), "md5": md5, "tags": tags,
+                                                 "long": _long_description(rest) if rest.strip() else ""})
+    for rec in packages.values():
+        rec["long"] = rec["long"] or long_by_md5.get(rec["md5"], "")
+    return [packages[n] for n in sorted(packages)]
+
+
+def _package_query(rec: dict, max_chars: int = 400) -> str:
+    text = rec["short"].rstrip(".") + "."
+    if rec["long"]:
+        text += " " + " ".join(rec["long"].split())
+    return text[:max_chars].rsplit(" ", 1)[0] if len(text) > max_chars else text
+
+
+def debtags_vocabulary(path: str | Path | None = None, workdir: str | Path = "artifacts/router/debtags") -> dict:
+    """tag -> description from the debtags vocabulary; fetched with `apt-get download debtags` when missing."""
+    candidates = [Path(path)] if path else [Path("/usr/share/debtags/vocabulary"),
+                                            Path(workdir) / "usr/share/debtags/vocabulary"]
+    found = next((p for p in candidates if p.exists()), None)
+    if found is None and path is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        work = Path(workdir).resolve()
+        work.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["apt-get", "download", "debtags"], cwd=work, capture_output=True)
+        debs = sorted(work.glob("debtags_*.deb"))
+        if debs:
+            subprocess.run(["dpkg", "-x", str(debs[-1]), str(work)], check=True, capture_output=True)
+            found = work / "usr/share/debtags/vocabulary"
+    if found is None or not found.exists():
+        return {}
+    from engine_build.corpus import _deb822
+
+    vocabulary = {}
+    for rec in _deb822(found.read_text(encoding="utf-8", errors="replace")):
+        if "Tag" in rec and "Description" in rec:
+            short, _, rest = rec["Description"].partition("\n")
+            first = " ".join(rest.split()).split(". ")[0].rstrip(".")
+            text = f"{short.strip()}. {first}." if first and first != "." else short.strip()
+            vocabulary[rec["Tag"]] = text if len(text) <= 160 else text[:160].rsplit(" ", 1)[0]
+    return vocabulary
+
+
+# -- question sampling ---------------------------------------------------------------------------------
+
+def _question(qid: str, query: str, label: str, labels: dict[str, str], source: str) -> Question:
+    """A question whose candidate set is the label plus k-1 distractors, k drawn from the question's own hash."""
+    rng = random.Random(int(unit_hash(qid, "candidates") * 2 ** 32))
+    k = rng.randint(MIN_CANDIDATES, min(MAX_CANDIDATES, len(labels)))
+    others = sorted(n for n in labels if n != label)
+    names = [label] + rng.sample(others, k - 1)
+    rng.shuffle(names)
+    return Question(query, tuple(Candidate(n, labels[n]) for n in names), label, source, qid)
+
+
+def _stratified(items: dict[str, list], total: int, salt: str) -> list:
+    """Up to `total` items, round-robin over labels (each label's items in hash order)."""
+    pools = {k: sorted(v, key=lambda item: unit_hash(str(item[0]), salt)) for k, v in items.items() if v}
+    out, depth = [], 0
+    while len(out) < total and any(depth < len(v) for v in pools.values()):
+        for k in sorted(pools):
+            if depth < len(pools[k]) and len(out) < total:
+                out.append(pools[k][depth])
+        depth += 1
+    return out
+
+
+def debian_section_questions(records: list[dict], total: int) -> list[Question]:
+    by_section = defaultdict(list)
+    for rec in records:
+        if rec["section"] in DEBIAN_SECTIONS and rec["short"]:
+            by_section[rec["section"]].append((rec["name"], rec))
+    return [_question(f"debian-section:{name}", _package_query(rec), rec["section"], DEBIAN_SECTIONS, "debian-section")
+            for name, rec in _stratified(by_section, total, "debian-section")]
+
+
+def debtags_questions(records: list[dict], vocabulary: dict[str, str], total: int) -> list[Question]:
+    """One question per (package, facet) where the package has exactly one tag of that facet."""
+    by_facet_tag: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for rec in records:
+        facets = defaultdict(list)
+        for tag in rec["tags"]:
+            facets[tag.split("::")[0]].append(tag)
+        for facet, tags in facets.items():
+            if facet in FACETS and len(tags) == 1 and rec["short"]:
+                by_facet_tag[facet][tags[0]].append((rec["name"], rec))
+    questions = []
+    usable = {f: t for f, t in by_facet_tag.items() if len(t) >= MIN_CANDIDATES}
+    per_facet = max(1, total // max(1, len(usable)))
+    for facet in sorted(usable):
+        labels = {tag: vocabulary.get(tag, tag.split("::")[1].replace("-", " ").replace(":", " "))
+                  for tag in usable[facet]}
+        for name, rec in _stratified(usable[facet], per_facet, f"debtags:{facet}"):
+            tag = next(t for t in rec["tags"] if t.startswith(facet + "::"))
+            questions.append(_question(f"debtags:{facet}:{name}", _package_query(rec), tag, labels, f"debtags:{facet}"))
+    return questions[:total]
+
+
+def _fortunes(root: Path) -> Iterator[tuple[str, str, int]]:
+    for path in sorted(root.iterdir()):
+        if path.suffix or not path.is_file():
+            continue
+        text = path.read_bytes().decode("utf-8", errors="replace")
+        for i, cookie in enumerate(text.split("\n%\n")):
+            cookie = " ".join(cookie.replace("%", " ").split())
+            if 20 <= len(cookie) <= 400:
+                yield path.name, cookie, i
+
+
+def fortune_questions(root: str | Path, total: int) -> list[Question]:
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    by_category = defaultdict(list)
+    for category, cookie, i in _fortunes(root):
+        by_category[category].append((f"{category}:{i}", cookie))
+    labels = {c: f"fortune cookies filed under '{c.replace('-', ' ')}'" for c in by_category}
+    return [_question(f"fortune:{key}", cookie, key.split(":")[0], labels, "fortune")
+            for key, cookie in _stratified(by_category, total, "fortune")]
+
+
+_NAME_LINE = re.compile(r"^\s*(?P<names>[^\s].*?)\s+\\?[-\u2013]\s+(?P<what>.+)$")
+
+
+def _man_summary(path: Path) -> str | None:
+    try:
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    except (OSError, EOFError, gzip.BadGzipFile):
+        return None
+    lines = raw.decode("utf-8", errors="replace").splitlines()[:200]
+    for i, line in enumerate(lines):
+        if re.match(r'^\.S[Hh]\s+"?(NAME|Name)"?\s*$', line):
+            for nxt in lines[i + 1: i + 6]:
+                if nxt.startswith(".Nd "):
+                    return nxt[4:].strip()
+                match = _NAME_LINE.match(nxt.replace("\\-", "-").replace("\\(em", "-"))
+                if match and not nxt.startswith("."):
+                    what = re.sub(r"\\f[BIRP]|\\[&e]", "", match["what"]).strip()
+                    return what if len(what) >= 8 else None
+    return None
+
+
+def man_questions(root: str | Path, total: int) -> list[Question]:
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    by_section = defaultdict(list)
+    for section in MAN_SECTIONS:
+        folder = root / f"man{section}"
+        if folder.is_dir():
+            paths = sorted(folder.iterdir(), key=lambda p: unit_hash(p.name, "man"))[: 4 * total // len(MAN_SECTIONS)]
+            by_section[section] = [(p.name, p) for p in paths]
+    out = []
+    for name, path in _stratified(by_section, 3 * total, "man-section"):
+        summary = _man_summary(path)
+        if summary:
+            section = path.parent.name[3:]
+            out.append(_question(f"man:{name}", summary[0].upper() + summary[1:], section, MAN_SECTIONS, "man-section"))
+    return out[:total]
+
+
+# -- domain data for the demo adapters --------------------------------------------------------------------
+
+_CODE_ASKS = ("{code}", "Explain what this code does:\n{code}", "Fix the bug in this function:\n{code}",
+              "Add type hints and a docstring:\n{code}", "Write a unit test for this:\n{code}")
+_DOC_ASKS = ("Write a Python function that {what}", "How do I write Python code that {what}?",
+             "Implement in Python: {what}")
+_DESIGN_ASKS = ("{code}", "Make this look better:\n{code}", "Why does this render wrong?\n{code}",
+                "Convert this to a cleaner layout:\n{code}", "Change the colours here to a dark theme:\n{code}")
+
+
+def _code_chunks(text: str, rng: random.Random, max_lines: int = 12) -> Iterator[str]:
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if re.match(r"\s*(def|class|async def) \w", line)]
+    for i in starts:
+        chunk = "\n".join(lines[i: i + rng.randint(3, max_lines)]).strip()
+        if 40 <= len(chunk) <= 800:
+            yield chunk
+
+
+def _docstring_asks(text: str) -> Iterator[str]:
+    for match in re.finditer(r'def \w+\([^)]*\)[^:]*:\s*\n\s*"""(?P<doc>[^\n"]{15,160})', text):
+        doc = match["doc"].strip().rstrip(".")
+        if doc[:1].isupper() and doc.split()[0].endswith("s"):  # "Returns ...", "Creates ..." -> "returns ..."
+            yield doc[0].lower() + doc[1:] + "."
+
+
+def _design_chunks(text: str, rng: random.Random, max_lines: int = 12) -> Iterator[str]:
+    lines = [line for line in text.splitlines() if line.strip()]
+    starts = [i for i, line in enumerate(lines) if re.search(r"[{<]", line)]
+    rng.shuffle(starts)
+    for i in starts[:40]:
+        chunk = "\n".join(lines[i: i + rng.randint(3, max_lines)]).strip()
+        if 40 <= len(chunk) <= 800:
+            yield chunk
+
+
+def domain_queries(corpus: str | Path, split: str, per_class: int, seed: int = 0) -> dict[str, list[tuple[str, str]]]:
+    """(id, query) per demo domain from the corpus split, at most `per_class` each, deduplicated."""
+    rng = random.Random(f"{seed}:{split}")
+    found: dict[str, dict[str, str]] = {d: {} for d in ("chat", "agent", "coding", "design")}
+    for domain in found:
+        path = Path(corpus) / f"{domain}.{split}.jsonl"
+        with path.open(encoding="utf-8") as f:
+            for line in f:
+                rec = json.loads(line)
+                if "turns" in rec:
+                    for j, (role, text) in enumerate(rec["turns"]):
+                        if role == "user" and 8 <= len(text) <= 600:
+                            found[domain].setdefault(text, f"{rec['id']}:{j}")
+                    if domain == "chat":  # a user who shares a quote or a joke is making small talk
+                        reply = " ".join(rec["turns"][-1][1].split())
+                        if 20 <= len(reply) <= 300:
+                            found[domain].setdefault(reply, f"{rec['id']}:text")
+                elif domain == "coding":
+                    for k, chunk in enumerate(_code_chunks(rec["text"], rng)):
+                        found[domain].setdefault(rng.choice(_CODE_ASKS).format(code=chunk), f"{rec['id']}:{k}")
+                    for k, what in enumerate(_docstring_asks(rec["text"])):
+                        found[domain].setdefault(rng.choice(_DOC_ASKS).format(what=what), f"{rec['id']}:doc{k}")
+                elif domain == "design":
+                    for k, chunk in enumerate(_design_chunks(rec["text"], rng)):
+                        found[domain].setdefault(rng.choice(_DESIGN_ASKS).format(code=chunk), f"{rec['id']}:{k}")
+    out = {}
+    for domain, queries in found.items():
+        items = sorted(queries.items(), key=lambda kv: unit_hash(kv[1] + kv[0], f"domain:{seed}"))
+        out[domain] = [(qid, text) for text, qid in items[:per_class]]
+    return out
+
+
+def adapter_candidates(adapters_dir: str | Path | None = None) -> tuple[Candidate, ...]:
+    """The four demo adapters with their descriptions (description.txt beside each adapter, else ced.demo)."""
+    from ced.demo import ADAPTERS
+
+    out = []
+    for name, default in ADAPTERS.items():
+        path = Path(adapters_dir) / name / "description.txt" if adapters_dir else None
+        text = path.read_text().strip() if path is not None and path.exists() else default
+        out.append(Candidate(name, " ".join(text.split())[:400]))
+    return tuple(out)
+
+
+def domain_questions(corpus: str | Path, candidates: tuple[Candidate, ...], train_per_class: int,
+                     bench_per_class: int, dev_fraction: float = 0.1, seed: int = 0) -> dict[str, list[Question]]:
+    """domain.train / domain.dev from the corpus train split; domain.bench from its valid split, minus any query
+    text that also occurs in train (held out)."""
+    train = domain_queries(corpus, "train", int(train_per_class * (1 + dev_fraction)) + 1, seed)
+    bench = domain_queries(corpus, "valid", 4 * bench_per_class, seed)
+    seen = {text for items in train.values() for _, text in items}
+    out = {"domain.train": [], "domain.dev": [], "domain.bench": []}
+    for domain in (c.name for c in candidates):
+        for qid, text in train.get(domain, []):
+            q = Question(text, candidates, domain, f"domain:{domain}", f"{domain}:{qid}")
+            out["domain.dev" if unit_hash(qid, "domain-dev") < dev_fraction else "domain.train"].append(q)
+        held = [(qid, text) for qid, text in bench.get(domain, []) if text not in seen][:bench_per_class]
+        out["domain.bench"] += [Question(text, candidates, domain, f"domain:{domain}", f"{domain}:{qid}")
+                                for qid, text in held]
+    return out
+
+
+# -- everything -----------------------------------------------------------------------------------------------
+
+def build_all(out: str | Path, corpus: str | Path = "artifacts/corpus", apt_lists: str | Path = "artifacts/apt/lists",
+              fortune_root: str | Path = "/usr/share/games/fortunes", man_root: str | Path = "/usr/share/man",
+              adapters_dir: str | Path | None = None, generic_total: int = 6000, train_per_class: int = 300,
+              bench_per_class: int = 100, seed: int = 0, log=print) -> dict[str, int]:
+    """Write generic.{train,dev,test}.jsonl and domain.{train,dev,bench}.jsonl under `out`; returns counts."""
+    out = Path(out)
+    share = {"debian-section": 0.3, "debtags": 0.35, "fortune": 0.2, "man-section": 0.15}
+    generic: list[Question] = []
+    try:
+        records = debian_records(apt_lists)
+    except FileNotFoundError as error:
+        log(f"skipping Debian sources: {error}")
+        records = []
+    if records:
+        generic += debian_section_questions(records, int(generic_total * share["debian-section"]))
+        vocabulary = debtags_vocabulary()
+        if not vocabulary:
+            log("debtags vocabulary not found: tag names stand in for descriptions")
+        generic += debtags_questions(records, vocabulary, int(generic_total * share["debtags"]))
+    generic += fortune_questions(fortune_root, int(generic_total * share["fortune"]))
+    generic += man_questions(man_root, int(generic_total * share["man-section"]))
+    counts = {}
+    for split in ("train", "dev", "test"):
+        rows = [q for q in generic if split_of(q.id) == split]
+        counts[f"generic.{split}"] = write_questions(out / f"generic.{split}.jsonl", rows)
+    domain = domain_questions(corpus, adapter_candidates(adapters_dir), train_per_class, bench_per_class, seed=seed)
+    for name, rows in domain.items():
+        counts[name] = write_questions(out / f"{name}.jsonl", rows)
+    (out / "manifest.json").write_text(json.dumps({"counts": counts, "sources": sorted({q.source for q in generic})},
+                                                  indent=2) + "\n")
+    return counts

@@ -1,0 +1,217 @@
+"""`mol2 router ...`: build routing data, extract H19, train heads, evaluate them, benchmark the routers.
+
+    mol2 router data     [--out DIR]                         generic + domain routing questions (JSONL)
+    mol2 router extract  [--kind mol2|contextual|both]       H19 features, cached in shards (resumable)
+    mol2 router train    [--kind K] [--modes A B C] [--seeds 0 1 2] [--epochs N]
+    mol2 router eval     [--kind K] [--mode B] [--seed 0] [--checkpoint best|last] [--data FILE.jsonl]
+    mol2 router export   [--mode B] [--seed 0] [--checkpoint last] [--out artifacts/demo/router]
+    mol2 router bench    latency|accuracy|scaling [benchmark options...]
+
+Every command works on the demo model: the trained one in artifacts/demo when it exists, else the untrained one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+DATA = "artifacts/router/data"
+
+
+def _demo(args):
+    from .pipeline import resolve_demo
+
+    demo = resolve_demo(args.artifacts)
+    print(f"backbone: {demo.model_dir} ({'trained' if demo.trained else 'untrained: seeded random weights'})")
+    return demo
+
+
+def cmd_data(args) -> None:
+    from .builders import build_all
+
+    counts = build_all(args.out, corpus=args.corpus, apt_lists=args.apt_lists, generic_total=args.generic_total,
+                       train_per_class=args.train_per_class, bench_per_class=args.bench_per_class)
+    for name, n in counts.items():
+        print(f"{name:<14} {n:>6}")
+
+
+def cmd_extract(args) -> None:
+    from .config import RouterConfig
+    from .pipeline import default_limits, load_model, load_sets
+
+    demo = _demo(args)
+    model, config = load_model(demo.model_dir), RouterConfig.from_name(args.preset)
+    for kind in (("mol2", "contextual") if args.kind == "both" else (args.kind,)):
+        sets = load_sets(model, demo, args.data, kind, config, limits=default_limits(kind, _limits(args.limit)))
+        print(kind, {name: len(rs) for name, rs in sets.items()})
+
+
+def _limits(items: list[str] | None) -> dict[str, int]:
+    """["generic.train=2400", ...] -> {"generic.train": 2400}."""
+    out = {}
+    for item in items or []:
+        split, _, n = item.partition("=")
+        if not n.isdigit():
+            raise SystemExit(f"--limit takes SPLIT=N, got {item!r}")
+        out[split] = int(n)
+    return out
+
+
+def cmd_train(args) -> None:
+    from .pipeline import train_runs
+
+    rows = train_runs(_demo(args), args.data, args.kind, args.modes, args.seeds, args.epochs, args.preset,
+                      args.batch_size, limits=_limits(args.limit))
+    from benchmarks._report import markdown_table
+
+    columns = ["kind", "mode", "seed", "best_epoch", "last:generic.test", "last:domain.bench", "best:generic.test",
+               "best:domain.bench", "train_s"]
+    print(markdown_table(rows, columns))
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Accuracy per split: overall, per class (label) for domain splits, and per source."""
+    out, groups = [], defaultdict(list)
+    for r in rows:
+        groups[(r["split"], "all", "all")].append(r["correct"])
+        groups[(r["split"], "source", r["source"])].append(r["correct"])
+        if r["split"].startswith("domain"):
+            groups[(r["split"], "class", r["label"])].append(r["correct"])
+    for (split, by, key), hits in sorted(groups.items()):
+        out.append({"split": split, "by": by, "group": key, "n": len(hits), "accuracy": sum(hits) / len(hits)})
+    return out
+
+
+def cmd_eval(args) -> None:
+    from benchmarks._report import markdown_table
+
+    from .pipeline import evaluate_run, run_dir
+
+    demo = _demo(args)
+    folder = Path(args.head) if args.head else run_dir(demo, args.kind, args.mode, args.seed) / args.checkpoint
+    if args.data_file:  # a user's own file, same format
+        rows = _evaluate_file(demo, folder, args.data_file)
+    else:
+        rows = evaluate_run(demo, args.data, args.kind, folder)
+    print(markdown_table(summarize(rows), ["split", "by", "group", "n", "accuracy"]))
+
+
+def _evaluate_file(demo, folder, path) -> list[dict]:
+    import shutil
+    import tempfile
+
+    from .data import read_questions
+    from .pipeline import evaluate_run
+
+    read_questions(path)  # validate first: a bad line is named before any work
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copyfile(path, Path(tmp) / "user.jsonl")
+        kind = json.loads((Path(folder) / "config.json").read_text())["kind"]
+        return evaluate_run(demo, tmp, kind, folder, splits=("user",))
+
+
+def cmd_export(args) -> None:
+    from .builders import adapter_candidates
+    from .features import RouteTokenizer
+    from .pipeline import load_head, load_model, run_dir
+    from .router import MoL2Router
+
+    demo = _demo(args)
+    folder = run_dir(demo, "mol2", args.mode, args.seed) / args.checkpoint
+    head, _, meta = load_head(folder)
+    model = load_model(demo.model_dir)
+    router = MoL2Router(head, model.get_input_embeddings().weight, RouteTokenizer(demo.tokenizer),
+                        adapter_candidates(demo.adapters_dir))
+    out = Path(args.out) if args.out else demo.adapters_dir.parent / "router"
+    router.save(out, backbone=demo.model_dir, meta={k: meta[k] for k in ("mode", "seed", "epochs") if k in meta}
+                | {"checkpoint": args.checkpoint, "trained_backbone": demo.trained})
+    print(f"wrote {out} (mode {args.mode}, seed {args.seed}, {args.checkpoint} checkpoint)")
+
+
+def cmd_bench(args) -> None:
+    import importlib
+
+    module = {"latency": "router_latency", "accuracy": "router_accuracy", "scaling": "router_data_scaling"}[args.which]
+    importlib.import_module(f"benchmarks.{module}").main(args.rest)
+
+
+def add_router_commands(commands) -> None:
+    """Register `router` and its subcommands on a parent subparsers object (ced.cli's)."""
+    p = commands.add_parser("router", help="the MoL2 router: data, H19 extraction, training, evaluation, benchmarks",
+                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="router_command", required=True)
+
+    def common(q, data=True):
+        q.add_argument("--artifacts", default="artifacts", help="where the demo lives (default: %(default)s)")
+        q.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+        q.add_argument("--preset", default="demo", help="router head preset (default: %(default)s)")
+        if data:
+            q.add_argument("--data", default=DATA, help="routing data folder (default: %(default)s)")
+
+    q = sub.add_parser("data", help="build generic and domain routing questions from offline text")
+    q.add_argument("--out", default=DATA)
+    q.add_argument("--corpus", default="artifacts/corpus")
+    q.add_argument("--apt-lists", default="artifacts/apt/lists")
+    q.add_argument("--generic-total", type=int, default=6000)
+    q.add_argument("--train-per-class", type=int, default=300)
+    q.add_argument("--bench-per-class", type=int, default=100)
+    q.add_argument("--threads", type=int, default=1)
+    q.set_defaults(run=cmd_data)
+
+    q = sub.add_parser("extract", help="H19 features of every split (batched, sharded, resumable)")
+    common(q)
+    q.add_argument("--kind", choices=("mol2", "contextual", "both"), default="both")
+    q.add_argument("--limit", nargs="*", metavar="SPLIT=N", help="questions kept per split (added to the defaults)")
+    q.set_defaults(run=cmd_extract)
+
+    q = sub.add_parser("train", help="train heads for the recipe modes and seeds")
+    common(q)
+    q.add_argument("--kind", choices=("mol2", "contextual"), default="mol2")
+    q.add_argument("--modes", nargs="+", default=["A", "B", "C"], choices=("A", "B", "C"))
+    q.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    q.add_argument("--epochs", type=int, default=12, help="per stage (default: %(default)s)")
+    q.add_argument("--batch-size", type=int, default=256)
+    q.add_argument("--limit", nargs="*", metavar="SPLIT=N", help="questions kept per split (added to the defaults)")
+    q.set_defaults(run=cmd_train)
+
+    q = sub.add_parser("eval", help="accuracy of a saved head: overall, per class, per source")
+    common(q)
+    q.add_argument("--kind", choices=("mol2", "contextual"), default="mol2")
+    q.add_argument("--mode", default="B")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--checkpoint", choices=("best", "last"), default="last")
+    q.add_argument("--head", default=None, help="a head folder (overrides kind/mode/seed/checkpoint)")
+    q.add_argument("--data-file", default=None, help="evaluate on your own JSONL file (same format)")
+    q.set_defaults(run=cmd_eval)
+
+    q = sub.add_parser("export", help="save a trained MoL2 head beside the demo adapters for serving")
+    common(q, data=False)
+    q.add_argument("--mode", default="B")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--checkpoint", choices=("best", "last"), default="last")
+    q.add_argument("--out", default=None, help="default: <demo>/router beside the adapters")
+    q.set_defaults(run=cmd_export)
+
+    q = sub.add_parser("bench", help="run a router benchmark (options after the name go to it)")
+    q.add_argument("which", choices=("latency", "accuracy", "scaling"))
+    q.add_argument("rest", nargs=argparse.REMAINDER)
+    q.add_argument("--threads", type=int, default=1)
+    q.set_defaults(run=cmd_bench)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import torch
+
+    parser = argparse.ArgumentParser(prog="mol2")
+    add_router_commands(parser.add_subparsers(dest="command", required=True))
+    import sys
+
+    args = parser.parse_args(["router", *(sys.argv[1:] if argv is None else argv)])
+    torch.set_num_threads(args.threads)
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""The MoL2 router as serving uses it: a trained pointer head, its option cache, and one decision per request.
+
+    router = load_router("artifacts/demo/router")          # head + config + options; embeddings from the backbone
+    decision = router.decide(h19_of_the_user_turn)          # reads H19 only: the conversation state is not touched
+    decision = router.decide(h19, explicit="coding")        # an explicit adapter wins; the head does not run
+
+The option side (route prompt + each adapter's description through the token embedding, then the head's option
+layers) is computed once per adapter set by `set_options` and cached; `decide` runs only the query projection,
+the cross-attention and the pointer.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from safetensors import safe_open
+from torch import Tensor, nn
+
+from .config import RouterConfig
+from .data import Candidate
+from .features import ROUTE_PROMPT, RouteTokenizer, option_tokens, pad_batch
+from .head import OptionCache, PointerHead
+
+EMBEDDING_KEYS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+@dataclass
+class Decision:
+    adapter: str | None  # the chosen (or explicit) adapter
+    routed: bool  # False when an explicit adapter won and no router ran
+    index: int = -1  # into the candidate list; -1 when not routed or no option could be parsed
+    scores: Tensor | None = None  # (N,) the head's logits
+    reason: str = ""  # MoL's decoded text
+    ms: float = 0.0  # decision time
+
+
+class MoL2Router:
+    def __init__(self, head: PointerHead, embedding: Tensor, tokenizer: RouteTokenizer,
+                 candidates: Sequence[Candidate] = (), route_prompt: str = ROUTE_PROMPT):
+        self.head = head.eval()
+        self.config: RouterConfig = head.config
+        self.embedding = embedding.detach().float()  # (V, C): the backbone's token embedding, frozen
+        self.tokenizer, self.route_prompt = tokenizer, route_prompt
+        self.candidates: tuple[Candidate, ...] = ()
+        self.cache: OptionCache | None = None
+        if candidates:
+            self.set_options(candidates)
+
+    @torch.inference_mode()
+    def set_options(self, candidates: Sequence[Candidate]) -> OptionCache:
+        """Compute and cache the option side for this adapter set (startup, or when the registry changes)."""
+        candidates = tuple(candidates)
+        if not candidates:
+            raise ValueError("no candidates: the router needs at least one adapter to choose from")
+        ids = [option_tokens(self.tokenizer, c.option_text(), self.config.max_option_tokens, f"option {c.name!r}",
+                             self.route_prompt) for c in candidates]
+        ids, lengths = pad_batch(ids)
+        mask = torch.arange(ids.shape[1])[None, :] < lengths[:, None]
+        self.candidates = candidates
+        self.cache = self.head.encode_options(nn.functional.embedding(ids, self.embedding), mask,
+                                              tuple(c.name for c in candidates))
+        return self.cache
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.candidates)
+
+    @torch.inference_mode()
+    def scores(self, h19: Tensor) -> Tensor:
+        """h19 (n, C) of the current user turn -> logits (N,) over the cached options."""
+        if self.cache is None:
+            raise RuntimeError("set_options first: no adapter set is cached")
+        return self.head.score(h19.float().mean(0, keepdim=True), self.cache)[0]
+
+    def decide(self, h19: Tensor | None, explicit: str | None = None, state=None) -> Decision:
+        """One request. `state` is accepted for a uniform router interface and never read or written."""
+        if explicit is not None:
+            return Decision(explicit, routed=False)
+        started = time.perf_counter()
+        logits = self.scores(h19)
+        index = int(logits.argmax())
+        return Decision(self.candidates[index].name, True, index, logits, ms=(time.perf_counter() - started) * 1e3)
+
+    @torch.inference_mode()
+    def decide_batch(self, h19s: Sequence[Tensor | None], explicit: Sequence[str | None]) -> list[Decision]:
+        """Precedence per request: rows with an explicit adapter keep it; the others share one head call."""
+        if len(h19s) != len(explicit):
+            raise ValueError(f"{len(h19s)} requests but {len(explicit)} explicit entries")
+        decisions: list[Decision | None] = [Decision(e, routed=False) if e is not None else None for e in explicit]
+        todo = [i for i, e in enumerate(explicit) if e is None]
+        if todo:
+            pooled = torch.stack([h19s[i].float().mean(0) for i in todo])
+            logits = self.head.score(pooled, self.cache)
+            for row, i in enumerate(todo):
+                index = int(logits[row].argmax())
+                decisions[i] = Decision(self.candidates[index].name, True, index, logits[row])
+        return decisions
+
+    @torch.inference_mode()
+    def score_pooled(self, pooled: Tensor) -> Tensor:
+        """Already pooled H19 (C,) -> logits (N,) over the cached options."""
+        return self.head.score(pooled.float().reshape(1, -1), self.cache)[0]
+
+    def score_adapter_set(self, h19_pooled: Tensor, adapter_set) -> dict[str, float]:
+        """Serving's hook (python_backend.routing): pooled H19 (C,) and the served adapter set (entries with
+        .name and .description) -> one score per adapter. The option cache is rebuilt only when the set changes.
+        The head keeps the route prompt it was trained with."""
+        candidates = tuple(Candidate(a.name, a.description) for a in adapter_set.adapters)
+        if candidates != self.candidates:
+            self.set_options(candidates)
+        return dict(zip(self.names, self.score_pooled(h19_pooled).tolist()))
+
+    # -- on disk -------------------------------------------------------------------------------------------
+
+    def save(self, folder: str | Path, backbone: str | Path | None = None, meta: dict | None = None) -> Path:
+        """head.safetensors + config.json (+ tokenizer.json); `backbone` (a model folder) is recorded relative to
+        `folder` so that load_router finds the token embedding without being given the model."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.head.state_dict().items()}, str(folder / "head.safetensors"))
+        tok_path = getattr(self.tokenizer, "path", "bytes")
+        if tok_path != "bytes":
+            source = Path(tok_path)
+            source = source / "tokenizer.json" if source.is_dir() else source
+            if source.resolve() != (folder / "tokenizer.json").resolve():
+                shutil.copyfile(source, folder / "tokenizer.json")
+        config = {"kind": "mol2", "router": self.config.to_dict(), "route_prompt": self.route_prompt,
+                  "tokenizer": "tokenizer.json" if tok_path != "bytes" else "bytes",
+                  "options": [{"name": c.name, "description": c.description} for c in self.candidates],
+                  **(meta or {})}
+        if backbone is not None:
+            config["backbone"] = _relative(Path(backbone), folder)
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return folder
+
+
+def _relative(target: Path, start: Path) -> str:
+    import os
+
+    return os.path.relpath(target.resolve(), start.resolve())
+
+
+def backbone_embedding(model_dir: str | Path) -> Tensor:
+    """The token-embedding matrix (V, C) read straight from a CED checkpoint's model.safetensors."""
+    path = Path(model_dir) / "model.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        for key in EMBEDDING_KEYS:
+            if key in f.keys():
+                return f.get_tensor(key).float()
+    raise KeyError(f"{path}: no token embedding among {EMBEDDING_KEYS}")
+
+
+def load_router(folder: str | Path, model: nn.Module | None = None, tokenizer=None, embedding: Tensor | None = None,
+                candidates: Sequence[Candidate] | None = None) -> MoL2Router:
+    """The trained head in `folder` (config.json + head.safetensors), ready to decide.
+
+    The token embedding comes from `embedding`, else `model.get_input_embeddings()`, else the checkpoint named by
+    config["backbone"]. Options are tokenized with the folder's own tokenizer.json (the one the head was trained
+    with), else with `tokenizer` (anything with .encode). Options default to the set the head was saved with."""
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{folder}: no config.json (not a router folder)")
+    meta = json.loads(config_path.read_text())
+    if meta.get("kind", "mol2") != "mol2":
+        raise ValueError(f"{folder}: holds a {meta.get('kind')!r} head, not a MoL2 pointer head")
+    head = PointerHead(RouterConfig.from_dict(meta["router"]))
+    from safetensors.torch import load_file
+
+    head.load_state_dict(load_file(str(folder / "head.safetensors")))
+    if embedding is None and model is not None:
+        embedding = model.get_input_embeddings().weight
+    if embedding is None:
+        if "backbone" not in meta:
+            raise ValueError(f"{folder}: config.json names no backbone; pass model= or embedding=")
+        embedding = backbone_embedding(folder / meta["backbone"])
+    if meta.get("tokenizer", "bytes") != "bytes":
+        tokenizer = RouteTokenizer(folder / meta["tokenizer"])
+    elif tokenizer is None or isinstance(tokenizer, RouteTokenizer):
+        tokenizer = tokenizer or RouteTokenizer("bytes")
+    options = candidates if candidates is not None else [Candidate(o["name"], o["description"])
+                                                         for o in meta.get("options", [])]
+    return MoL2Router(head, embedding, tokenizer, options, meta.get("route_prompt", ROUTE_PROMPT))
