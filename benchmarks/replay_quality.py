@@ -122,7 +122,7 @@ def load(args) -> tuple[CEDEngine, list[str | None], list[int], bool]:
             with open(Path(args.corpus) / f"{domain}.valid.jsonl") as lines:
                 for line in lines:
                     stream += tokenizer.encode(json.loads(line)["text"]).ids
-                    if len(stream) > 2048 * (1 + ("general", "chat", "coding", "agent", "design").index(domain)):
+                    if len(stream) > 3000 * (1 + ("general", "chat", "coding", "agent", "design").index(domain)):
                         break
     else:
         from ced.demo import untrained_demo
@@ -211,6 +211,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--artifacts", default="models/demo", help="trained demo model and adapters")
     parser.add_argument("--corpus", default="artifacts/corpus", help="corpus with *.valid.jsonl")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--hidden-samples", type=int, default=12,
+                        help="text windows averaged per context length (one window's error varies ±20-30%% with its text)")
     parser.add_argument("--json", help="write the pair table as JSON rows here")
     parser.add_argument("--out", default="artifacts/benchmarks", help="folder for the PNG figures and tables")
     args = parser.parse_args(argv)
@@ -227,7 +229,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     turn = stream[n_input + n_reply: n_input + n_reply + n_turn]
     continuation = stream[n_input + n_reply + n_turn: sum(sizes)]
     rows, curves = run_pairs(engine, adapters, history, turn, continuation)
-    hidden = {c: torch.stack([hidden_state_mae(engine, stream, t, c) for t in adapters]).mean(0) for c in contexts}
+    # Several windows of text per length: one window's error depends on what text sits at its start.
+    starts = [i * max(contexts) for i in range(args.hidden_samples) if (i + 1) * max(contexts) <= len(stream)]
+    hidden = {c: torch.stack([hidden_state_mae(engine, stream[s:], t, c) for s in starts for t in adapters]).mean(0)
+              for c in tqdm(contexts, desc="hidden states")}
 
     model_name = "trained demo" if trained else "UNTRAINED demo (random weights)"
     print(f"\nReplay quality on the {model_name}: input {n_input} + reply {n_reply} token by token under the source, "
@@ -240,7 +245,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     hidden_rows = [dict(context_tokens=c, mean=h.mean().item(), first_16_positions=h[:, :16].mean().item(),
                         last_16_positions=h[:, -16:].mean().item(), **{l: v.item() for l, v in zip(layers, h.mean(1))})
                    for c, h in hidden.items()]
-    print("\nDecoder hidden-state MAE of the replay window against the oracle (mean over targets)\n")
+    print(f"\nDecoder hidden-state MAE of the replay window against the oracle (mean over targets and {len(starts)} "
+          "text windows)\n")
     print(markdown_table(hidden_rows, list(hidden_rows[0])))
     out.mkdir(parents=True, exist_ok=True)
     (out / "replay_quality.md").write_text("\n\n".join(markdown_table(t, list(t[0]))
