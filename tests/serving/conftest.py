@@ -1,4 +1,4 @@
-"""One real tritonserver for the serving tests: the tiny preset (byte vocabulary) and two PEFT adapters, on
+"""One real tritonserver for the serving tests: the tiny preset, two PEFT adapters and a seeded MoL2 head, on
 loopback ports, started from a copy of this repository's model_repository/ (plus a second adapter set built with
 `mol2 repo build`) with MOL2_* settings pointing at a temp dir."""
 
@@ -9,9 +9,15 @@ import shutil
 import socket
 
 import pytest
+import torch
 
 from ced import CEDConfig, CEDForCausalLM
 from ced.synthetic import ATTENTION, FFN, decoder_modules_regex, make_random_adapter
+from mol2_router.config import RouterConfig
+from mol2_router.data import Candidate
+from mol2_router.features import RouteTokenizer
+from mol2_router.head import PointerHead
+from mol2_router.router import MoL2Router
 from python_backend.launcher import Ports, running
 from python_backend.repo_build import build
 from python_backend.serving import ROOT
@@ -28,9 +34,15 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def served_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("served")
-    config = CEDConfig.from_name("tiny", vocab_size=256)  # every token is a byte: text round-trips exactly
+    config = CEDConfig.from_name("tiny")  # no tokenizer.json: text is UTF-8 bytes (ids >= 256 print nothing)
     model = CEDForCausalLM.from_ced(config, seed=0)
     model.save_pretrained(root / "model")
+    # An untrained MoL2 head (seeded): it routes deterministically, which is all the serving path needs.
+    torch.manual_seed(0)
+    head = PointerHead(RouterConfig(hidden_size=config.hidden_size))
+    candidates = [Candidate(name, description) for name, description in ADAPTERS.items()]
+    MoL2Router(head, model.get_input_embeddings().weight, RouteTokenizer("bytes"), candidates).save(
+        root / "router", backbone=root / "model")
     entries = []
     for seed, (name, description) in enumerate(ADAPTERS.items(), start=1):
         make_random_adapter(model, root / "adapters" / name, decoder_modules_regex(config, ATTENTION + FFN),
@@ -46,7 +58,7 @@ def served_dir(tmp_path_factory):
 def start_server(served_dir):
     """A context manager: a tritonserver on fresh loopback ports with MOL2_* settings pointing at `served_dir`."""
     settings = {"MOL2_MODEL_DIR": str(served_dir / "model"), "MOL2_ADAPTER_SET": str(served_dir / "adapter_set.json"),
-                "MOL2_STORE_DIR": str(served_dir / "conversations"), "MOL2_ROUTER_DIR": str(served_dir / "no-router")}
+                "MOL2_STORE_DIR": str(served_dir / "conversations"), "MOL2_ROUTER_DIR": str(served_dir / "router")}
 
     def server_on(repository):
         ports = Ports(free_port(), free_port(), free_port())

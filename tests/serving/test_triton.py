@@ -98,7 +98,6 @@ def test_generate_stream_sends_events(server):
     (dict(text_input="", adapter="chat"), "text_input is empty"),
     (dict(text_input="hi", adapter="chat", conversation_id="never-started"), "unknown conversation_id"),
     (dict(text_input="hi", adapter="chat", max_tokens="x"), ""),
-    (dict(text_input="hi"), "no router head is loaded"),
     (dict(text_input="x" * 5000, adapter="chat"), "over the context limit"),
 ])
 def test_bad_requests_get_clear_errors(server, fields, message):
@@ -211,3 +210,33 @@ def test_concurrent_turns_on_one_conversation_are_refused_not_interleaved(server
     assert served and all("already has a turn in progress" in a["error"] for a in refused)
     assert "error" not in generate(server, text_input="after the race", adapter="chat", max_tokens=2,
                                    conversation_id=conversation)
+
+
+def metric_totals(server, names) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{server.host}:{server.metrics}/metrics", timeout=30) as response:
+        lines = response.read().decode().splitlines()
+    return {name: sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
+            for name in names}
+
+
+def test_mixed_explicit_and_routed_requests(server):
+    """Concurrent turns, some naming an adapter and some routed: every explicit choice is kept, routed turns get
+    an adapter of the set with its scores, and every decision written is read and applied."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = ("mol2_routes_written", "mol2_routes_read", "mol2_routes_applied")
+    before = metric_totals(server, names)
+    explicit = ["chat", None, "coding", None, "base", None, "coding", None]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        answers = list(pool.map(lambda a: generate(server, text_input="route me please", max_tokens=2,
+                                                   **({"adapter": a} if a else {})), explicit))
+    for wanted, answer in zip(explicit, answers):
+        assert "error" not in answer, answer
+        scores = json.loads(answer["route_scores"])
+        if wanted:
+            assert answer["applied_adapter"] == wanted and scores == {}
+        else:
+            assert set(scores) == {"chat", "coding"} and answer["applied_adapter"] == max(scores, key=scores.get)
+    after = metric_totals(server, names)
+    delta = {name: after[name] - before[name] for name in names}
+    assert delta["mol2_routes_written"] == delta["mol2_routes_read"] == delta["mol2_routes_applied"] == len(explicit)
