@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
                                         "each turn, the adapter, the positions replayed and the state bytes.")
     p.add_argument("--turns", type=int, default=0, help="how many turns of the script (default: all)")
     p.add_argument("--max-tokens", type=int, default=24, help="tokens generated per turn (default 24)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--artifacts", type=Path, default=None,
