@@ -39,14 +39,17 @@ class Demo:
 
 
 def resolve_demo(root: str | Path = "artifacts") -> Demo:
-    """The trained demo when artifacts/demo/model holds weights, else the untrained one (built on first use)."""
+    """The trained demo: a fresh build under ROOT/demo if there is one, else the committed one (models/demo);
+    without either, the untrained demo (built on first use)."""
+    from ced.demo import TRAINED_ROOT, untrained_demo
+
     root = Path(root)
-    trained = root / "demo" / "model"
-    if (trained / "model.safetensors").exists():
-        tok = trained / "tokenizer.json"
-        return Demo(trained, tok if tok.exists() else root / "tokenizer" / "tokenizer.json", root / "demo" / "adapters",
-                    True)
-    from ced.demo import untrained_demo
+    for demo_root in (root / "demo", TRAINED_ROOT):
+        trained = demo_root / "model"
+        if (trained / "model.safetensors").exists():
+            tok = trained / "tokenizer.json"
+            return Demo(trained, tok if tok.exists() else root / "tokenizer" / "tokenizer.json",
+                        demo_root / "adapters", True)
 
     art = untrained_demo(root / "demo-untrained")
     return Demo(Path(art.model_dir), root / "tokenizer" / "tokenizer.json", Path(art.model_dir).parent / "adapters",
