@@ -120,9 +120,9 @@ def stop(process: subprocess.Popen, timeout_s: float = 30.0) -> None:
 
 @contextlib.contextmanager
 def running(model_repository: Path, ports: Ports, workdir: Path, log_path: Path | None = None,
-            env: dict[str, str] | None = None, timeout_s: float = 300.0):
+            env: dict[str, str] | None = None, timeout_s: float = 300.0, extra_args: list[str] = ()):
     """A server that is ready inside the block and stopped after it."""
-    process = start(model_repository, ports, workdir, log_path, env=env)
+    process = start(model_repository, ports, workdir, log_path, extra_args, env=env)
     try:
         wait_ready(process, ports, timeout_s)
         yield ports

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 DESCRIPTIONS = {
     "mol2_routes_written": "adapter decisions written into a transfer (router stage)",
+    "mol2_route_only_decisions": "adapter decisions returned to a client by the route model, nothing written",
     "mol2_routes_read": "adapter decisions read from a transfer (decode stage)",
     "mol2_routes_applied": "adapter decisions applied by a replay (decode stage)",
     "mol2_requests": "turns served",

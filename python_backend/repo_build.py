@@ -1,8 +1,8 @@
 """`mol2 repo build --adapter-set FILE`: one ensemble `mol2_<set>` per adapter set, side by side in one repository.
 
 The adapter-free stages (tokenize, prefill) are shared by every set: that is the point of the design. Each set
-gets its own router (its own cached option side) and decode (its own adapter registry), generated from the
-templates in model_repository/ with the set's file as their `adapter_set` parameter.
+gets its own router (its own cached option side), decode (its own adapter registry) and route-only model,
+generated from the templates in model_repository/ with the set's file as their `adapter_set` parameter.
 """
 
 from __future__ import annotations
@@ -32,20 +32,23 @@ def _with_parameter(config: str, key: str, value: str) -> str:
 
 
 def build(adapter_set: Path, repository: Path = TEMPLATES, name: str | None = None) -> list[str]:
-    """Write router_<set>, decode_<set> and mol2_<set> into `repository`; returns the model names written."""
+    """Write router_<set>, decode_<set>, route_<set> and mol2_<set> into `repository`; returns the names written."""
     adapter_set = adapter_set.resolve()
     parse_adapter_set(adapter_set)  # refuse a bad file before writing anything
     name = name or set_name_of(adapter_set)
     written = []
-    for stage in ("router", "decode"):
+    for stage in ("router", "decode", "route"):
         target = repository / f"{stage}_{name}"
         (target / "1").mkdir(parents=True, exist_ok=True)
         shutil.copy2(TEMPLATES / stage / "1" / "model.py", target / "1" / "model.py")
         config = (TEMPLATES / stage / "config.pbtxt").read_text()
         config = config.replace(f'name: "{stage}"', f'name: "{stage}_{name}"', 1)
-        config = _with_parameter(config, "adapter_set", str(adapter_set))
+        if stage != "route":  # route runs no adapters: it calls the set's router
+            config = _with_parameter(config, "adapter_set", str(adapter_set))
         if stage == "router":
             config = _with_parameter(config, "router_dir", str(adapter_set.parent / "router"))
+        if stage == "route":
+            config = _with_parameter(config, "router_model", f"router_{name}")
         (target / "config.pbtxt").write_text(config)
         written.append(target.name)
     ensemble = (TEMPLATES / "mol2" / "config.pbtxt").read_text()

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from .launcher import LaunchError, Ports, start, stop, wait_ready
+from .roles import ROLES, build_prefill_repository, decode_models
 from .serving import ROOT, demo_model_dir, write_demo_adapter_set
 
 
@@ -39,16 +40,40 @@ def add_parser(commands) -> None:
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--model-repository", default=str(ROOT / "model_repository"))
     parser.add_argument("--log", default=str(ROOT / "artifacts/logs/tritonserver.log"), help="server log file")
+    parser.add_argument("--role", choices=ROLES, default="all",
+                        help="all: one server does everything (default). Disaggregated: 'decode' serves only the "
+                             "decode models; 'prefill' tokenizes, prefills, routes and relays each turn to the "
+                             "decode server (--decode-url), keeping the conversation store")
+    parser.add_argument("--decode-url", help="with --role prefill: the decode server's gRPC endpoint, HOST:PORT")
     parser.add_argument("--ready-only", action="store_true", help="exit once the server answers ready (smoke test)")
     parser.set_defaults(run=serve)
+
+
+def role_repository(args: argparse.Namespace) -> tuple[Path, list[str]]:
+    """The repository and extra tritonserver arguments for the role."""
+    repository = Path(args.model_repository)
+    if args.role == "decode":
+        loads = [f"--load-model={name}" for name in decode_models(repository)]
+        return repository, ["--model-control-mode=explicit", *loads]
+    if args.role == "prefill":
+        if not args.decode_url:
+            raise SystemExit("mol2 serve --role prefill needs --decode-url HOST:PORT (the decode server's gRPC port)")
+        generated = ROOT / "artifacts" / "triton" / f"prefill-repository-{args.grpc_port}"
+        relays = build_prefill_repository(repository, generated, args.decode_url)
+        print(f"prefill role: {', '.join(relays)} relay decode to {args.decode_url}; repository {generated}")
+        return generated, []
+    if args.decode_url:
+        raise SystemExit("--decode-url only applies to --role prefill")
+    return repository, []
 
 
 def serve(args: argparse.Namespace) -> None:
     model_dir = prepare_demo()
     ports = Ports(args.http_port, args.grpc_port, args.metrics_port, args.host)
     Path(args.log).parent.mkdir(parents=True, exist_ok=True)
-    print(f"serving {model_dir} (adapters: {model_dir.parent / 'adapter_set.json'}); log: {args.log}")
-    process = start(Path(args.model_repository), ports, ROOT / "artifacts/triton", Path(args.log))
+    repository, extra_args = role_repository(args)
+    print(f"serving {model_dir} (adapters: {model_dir.parent / 'adapter_set.json'}); role {args.role}; log: {args.log}")
+    process = start(repository, ports, ROOT / "artifacts/triton", Path(args.log), extra_args)
     stopping = {"now": False}
 
     def on_signal(signum, frame):
@@ -60,7 +85,8 @@ def serve(args: argparse.Namespace) -> None:
         wait_ready(process, ports)
         print(f"ready: HTTP http://{ports.http_url}  gRPC {ports.grpc_url}  metrics "
               f"http://{ports.host}:{ports.metrics}/metrics")
-        print(f"try:\n  {example_request(ports)}")
+        if args.role != "decode":
+            print(f"try:\n  {example_request(ports)}")
         while not stopping["now"] and not args.ready_only:
             if process.poll() is not None:
                 raise LaunchError(f"tritonserver exited with code {process.returncode}; see {args.log}")

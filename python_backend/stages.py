@@ -5,7 +5,9 @@ prefill: the new user turn through the adapter-free stage (never the history aga
 route:   an explicit adapter always wins; otherwise the MoL2 head scores the pooled H19. The decision is the
          31-bit FNV-1a hash of the adapter's path, written into the transfer's metadata.
 decode:  maps the hash through its own registry (an unknown hash is an error), replays W positions under the
-         adapter, streams tokens, and stores the state for the next turn.
+         adapter, streams tokens, and stores the state for the next turn; or, on a decode-only server
+         (disaggregated), hands the final state back to the prefill server, which owns the store.
+route-only (a client with its own router): prefill on a copy of the state, route, write nothing.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class TransferMeta:
 class PrefillResult:
     conversation_id: str
     h19_pooled: Tensor  # (C,)
-    state: bytes
+    state: bytes  # empty for a route-only prefill
     meta: TransferMeta
 
 
@@ -63,11 +65,12 @@ class PrefillStage:
     def __init__(self, engine: CEDEngine, store: ConversationStore, tokenizer: ChatTokenizer):
         self.engine, self.store, self.tokenizer = engine, store, tokenizer
 
-    def run(self, conversation_id: str | None, text_ids: list[int]) -> PrefillResult:
+    def run(self, conversation_id: str | None, text_ids: list[int], route_only: bool = False) -> PrefillResult:
+        """`route_only`: H19 for a routing decision; the stored state is read, never written or locked."""
         if not text_ids:
             raise RequestError("text_input is empty")
         new = not conversation_id
-        conversation_id = conversation_id or uuid.uuid4().hex
+        conversation_id = conversation_id or ("" if route_only else uuid.uuid4().hex)
         state = self.engine.new_conversation() if new else self.store.load(conversation_id)
         first = state.length == 0
         tokens = self.tokenizer.user_turn(text_ids, first=first)
@@ -75,6 +78,9 @@ class PrefillStage:
         if state.length + len(tokens) >= self.engine.config.max_context:
             raise RequestError(f"the conversation would reach {state.length + len(tokens)} tokens, over the "
                                f"context limit of {self.engine.config.max_context}")
+        if route_only:  # the loaded state is a private copy: prefilling it changes nothing stored
+            h19 = self.engine.prefill(state, tokens)
+            return PrefillResult(conversation_id, h19[skip:].mean(0), b"", TransferMeta(state.length))
         self.store.begin_turn(conversation_id)
         try:
             h19 = self.engine.prefill(state, tokens)
@@ -126,6 +132,8 @@ class DecodeRequest:
     max_tokens: int = 64
     sampling: SamplingParams = field(default_factory=SamplingParams)
     end_conversation: bool = False
+    return_state: bool = False  # disaggregated: the prefill server owns the store and the turn lock
+    final_state: bytes = b""  # set when done, if return_state
 
 
 class DecodeStage:
@@ -142,7 +150,8 @@ class DecodeStage:
         return entry.name
 
     def run(self, adapter_set: AdapterSet, request: DecodeRequest) -> Iterator[tuple[int, int]]:
-        """Yields (token id, positions replayed) per generated token; stores the state when done."""
+        """Yields (token id, positions replayed) per generated token; when done, stores the state (or frees it at
+        the end of the conversation), or with `return_state` puts it in `request.final_state` instead."""
         try:
             adapter = self.adapter_for(adapter_set, request.meta.adapter_hash)
             state = decode_state(request.state, self.engine.config)
@@ -153,10 +162,19 @@ class DecodeStage:
             for token in self.engine.generate(state, adapter, logits, budget, request.sampling,
                                               self.tokenizer.stop_ids):
                 yield token, replayed
-            if request.end_conversation:
-                self.store.delete(request.conversation_id)
+            if request.return_state:
+                request.final_state = encode_state(state, self.engine.config)
             else:
-                self.store.save(request.conversation_id, state)
+                commit_turn(self.store, request.conversation_id, state, request.end_conversation)
         finally:
-            self.store.end_turn(request.conversation_id)
+            if not request.return_state:
+                self.store.end_turn(request.conversation_id)
+
+
+def commit_turn(store: ConversationStore, conversation_id: str, state, end_conversation: bool) -> None:
+    """The turn's final state becomes the conversation's one stored copy; the last turn frees it instead."""
+    if end_conversation:
+        store.delete(conversation_id)
+    else:
+        store.save(conversation_id, state)
 

@@ -1,5 +1,7 @@
 """Decoupled decode: maps the transfer's adapter hash through this server's registry, replays W positions under
-that adapter, then streams tokens (one response per token with `stream`, else one aggregated response)."""
+that adapter, then streams tokens (one response per token with `stream`, else one aggregated response).
+With `_return_state` (a disaggregated prefill server's relay) the final state comes back in `_state_out`, in a
+last response of its own, and the store is not touched: the prefill server owns it."""
 
 import json
 
@@ -35,7 +37,8 @@ class TritonPythonModel:
         conversation_id = as_text(required(pb, request, "_conversation_id"), "_conversation_id")
         decode_request = DecodeRequest(conversation_id, required(pb, request, "_state").tobytes(),
                                        TransferMeta.from_tensor(required(pb, request, "_routed_meta").reshape(-1)),
-                                       max_tokens, sampling, bool(get("end_conversation", bool, False)))
+                                       max_tokens, sampling, bool(get("end_conversation", bool, False)),
+                                       bool(get("_return_state", bool, False)))
         return decode_request, bool(get("stream", bool, False)), as_text(optional(pb, request, "_route_scores"),
                                                                           "_route_scores") or "{}"
 
@@ -56,19 +59,25 @@ class TritonPythonModel:
             except ValueError as error:
                 sender.send(error_response(pb, str(error)), flags=FINAL)
 
+    def _end_turn_here(self, request) -> None:
+        """A refused turn ends here, unless a disaggregated prefill server holds its lock (it ends it there)."""
+        if as_scalar(optional(pb, request, "_return_state"), "_return_state", bool, False):
+            return
+        conversation_id = as_text(optional(pb, request, "_conversation_id"), "_conversation_id")
+        if conversation_id:
+            self.served.store.end_turn(conversation_id)
+
     def _serve(self, request, sender):
         try:
             decode_request, stream, scores = self._parse(request)
         except ValueError:
-            conversation_id = as_text(optional(pb, request, "_conversation_id"), "_conversation_id")
-            if conversation_id:
-                self.served.store.end_turn(conversation_id)
+            self._end_turn_here(request)
             raise
         self.counters.add("mol2_routes_read", str(decode_request.meta.adapter_hash))
         try:
             adapter = self.stage.adapter_for(self.served.watcher.current, decode_request.meta.adapter_hash) or "base"
         except ValueError:
-            self.served.store.end_turn(decode_request.conversation_id)
+            self._end_turn_here(request)
             raise
         ids, shown, replayed = [], "", 0
         for token, replayed in self.stage.run(self.served.watcher.current, decode_request):
@@ -84,11 +93,16 @@ class TritonPythonModel:
                     shown = text
         self.counters.add("mol2_requests", adapter)
         final_text = self.served.tokenizer.decode(ids)
-        if stream:
-            if final_text[len(shown):]:
-                sender.send(self._response(final_text[len(shown):], adapter, replayed, scores,
-                                           decode_request.conversation_id))
-            sender.send(flags=FINAL)
+        last = []  # the FINAL flag rides the last response (a non-streaming generate expects just one)
+        if not stream or final_text[len(shown):]:
+            last.append(self._response(final_text[len(shown):] if stream else final_text, adapter, replayed,
+                                       scores, decode_request.conversation_id))
+        if decode_request.return_state:
+            last.append(pb.InferenceResponse([pb.Tensor("_state_out", np.frombuffer(decode_request.final_state,
+                                                                                   dtype=np.uint8))]))
+        for response in last[:-1]:
+            sender.send(response)
+        if last:
+            sender.send(last[-1], flags=FINAL)
         else:
-            sender.send(self._response(final_text, adapter, replayed, scores, decode_request.conversation_id),
-                        flags=FINAL)
+            sender.send(flags=FINAL)

@@ -1,5 +1,6 @@
 """The adapter-free stage: the new user turn through the encoder and the first decoder layer's attention.
-Outputs H19 pooled over the turn (for the router) and the conversation's state for the transfer to decode."""
+Outputs H19 pooled over the turn (for the router) and the conversation's state for the transfer to decode.
+With `_route_only` (the `route` model's requests) it prefills a copy and writes nothing."""
 
 import json
 import time
@@ -9,7 +10,7 @@ import triton_python_backend_utils as pb
 
 from python_backend.serving import Served, ServingSettings, triton_parameters
 from python_backend.stages import PrefillStage
-from python_backend.triton_io import as_text, error_response, optional, required, text_tensor
+from python_backend.triton_io import as_scalar, as_text, error_response, optional, required, text_tensor
 
 
 class TritonPythonModel:
@@ -29,7 +30,9 @@ class TritonPythonModel:
         for request in requests:
             try:
                 ids = required(pb, request, "_text_ids").reshape(-1).tolist()
-                result = self.stage.run(as_text(optional(pb, request, "conversation_id"), "conversation_id"), ids)
+                route_only = as_scalar(optional(pb, request, "_route_only"), "_route_only", bool, False)
+                result = self.stage.run(as_text(optional(pb, request, "conversation_id"), "conversation_id"), ids,
+                                        route_only)
                 responses.append(pb.InferenceResponse([
                     pb.Tensor("_h19", result.h19_pooled.numpy().astype(np.float32)),
                     pb.Tensor("_state", np.frombuffer(result.state, dtype=np.uint8)),

@@ -1,0 +1,149 @@
+"""The prefill side of a turn driven from Python models through BLS: the `route` model (a client with its own
+router asks for a decision only) and the disaggregated relay (a prefill server that hands decode to another
+Triton server over gRPC and keeps the conversation's one stored copy).
+
+`pb` (triton_python_backend_utils) is passed in, so the logic is tested without a server.
+"""
+
+from __future__ import annotations
+
+import queue
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .stages import RequestError, commit_turn
+from .store import ConversationStore
+from .transfer import decode_state
+
+# The request fields a relay passes on to decode unchanged, with the dtypes decode's config declares.
+PASSED_ON = {"max_tokens": np.int32, "stream": np.bool_, "temperature": np.float32, "top_p": np.float32,
+             "top_k": np.int32, "seed": np.uint64, "end_conversation": np.bool_}
+ANSWER_OUTPUTS = ("text_output", "applied_adapter", "replayed_tokens", "route_scores", "conversation_id_out")
+
+Call = Callable[[str, dict[str, np.ndarray], list[str]], dict[str, np.ndarray]]
+
+
+def bls_call(pb) -> Call:
+    """A synchronous BLS call: (model, inputs, output names) -> outputs; a model's error becomes a RequestError."""
+
+    def call(model: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
+        request = pb.InferenceRequest(model_name=model, requested_output_names=outputs,
+                                      inputs=[pb.Tensor(name, value) for name, value in inputs.items()])
+        response = request.exec()
+        if response.has_error():
+            raise RequestError(response.error().message())
+        return {name: pb.get_output_tensor_by_name(response, name).as_numpy() for name in outputs}
+
+    return call
+
+
+def text_array(text: str) -> np.ndarray:
+    return np.array([text.encode("utf-8")], dtype=object)
+
+
+def prefill_and_route(call: Call, text_input: np.ndarray, conversation_id: str | None, adapter: str | None,
+                      router_model: str, route_only: bool) -> dict[str, np.ndarray]:
+    """tokenize -> prefill -> router, as the `mol2` ensemble runs them. A route-only turn writes no state."""
+    ids = call("tokenize", {"text_input": text_input}, ["_text_ids"])["_text_ids"]
+    inputs = {"_text_ids": ids}
+    if conversation_id:
+        inputs["conversation_id"] = text_array(conversation_id)
+    if route_only:
+        inputs["_route_only"] = np.array([True])
+    prefilled = call("prefill", inputs, ["_h19", "_state", "_transfer_meta", "_conversation_id"])
+    inputs = {"_h19": prefilled["_h19"], "_transfer_meta": prefilled["_transfer_meta"],
+              "_conversation_id": prefilled["_conversation_id"]}
+    if adapter:
+        inputs["adapter"] = text_array(adapter)
+    if route_only:
+        inputs["_route_only"] = np.array([True])
+    routed = call(router_model, inputs, ["_routed_meta", "_route_scores", "_route_adapter"])
+    return {**prefilled, **routed}
+
+
+# -- the disaggregated relay ------------------------------------------------------------------------------------
+
+
+def remote_decode(url: str, model: str, inputs: dict[str, np.ndarray], timeout_s: float = 600.0) -> Iterator:
+    """Stream one request to a decode server over Triton gRPC; yields its responses (tritonclient InferResult)."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    grpc_inputs = []
+    for name, value in inputs.items():
+        tensor = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
+        tensor.set_data_from_numpy(value)
+        grpc_inputs.append(tensor)
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        client.async_stream_infer(model, grpc_inputs, enable_empty_final_response=True)
+        while True:
+            try:
+                result, error = responses.get(timeout=timeout_s)
+            except queue.Empty:
+                raise RequestError(f"the decode server at {url} sent nothing for {timeout_s:.0f} s") from None
+            if error is not None:
+                raise RequestError(f"decode server {url}: {error.message() if hasattr(error, 'message') else error}")
+            response = result.get_response()
+            if response.outputs:
+                yield result
+            if response.parameters["triton_final_response"].bool_param:
+                return
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+class Relay:
+    """One turn on a prefill server: prefill and route here, decode there, the final state committed here.
+
+    `send(outputs, final)` hands one response to the client. The turn lock taken by prefill is held until the
+    state is committed (or the turn fails), exactly as on a single server.
+    """
+
+    def __init__(self, call: Call, store: ConversationStore, router_model: str, decode_url: str, decode_model: str,
+                 decode: Callable[..., Iterator] = remote_decode):
+        self.call, self.store, self.router_model = call, store, router_model
+        self.decode_url, self.decode_model, self.decode = decode_url, decode_model, decode
+
+    def run(self, fields: dict[str, np.ndarray], send: Callable[[dict[str, np.ndarray] | None, bool], None]) -> None:
+        conversation_id = _text(fields.get("conversation_id"))
+        front = prefill_and_route(self.call, fields["text_input"], conversation_id, _text(fields.get("adapter")),
+                                  self.router_model, route_only=False)
+        conversation_id = _text(front["_conversation_id"])
+        try:
+            inputs = {"_state": front["_state"], "_routed_meta": front["_routed_meta"],
+                      "_conversation_id": front["_conversation_id"], "_route_scores": front["_route_scores"],
+                      "_return_state": np.array([True])}
+            inputs.update({name: fields[name].astype(dtype).reshape(1)
+                           for name, dtype in PASSED_ON.items() if fields.get(name) is not None})
+            pending, committed = None, False
+            for result in self.decode(self.decode_url, self.decode_model, inputs):
+                state = result.as_numpy("_state_out")
+                if state is not None:
+                    commit_turn(self.store, conversation_id, decode_state(state.tobytes(), self.store.config),
+                                _flag(fields.get("end_conversation")))
+                    committed = True
+                    continue
+                if pending is not None:  # one behind, so the FINAL flag rides the last answer, as decode sends it
+                    send(pending, False)
+                pending = {name: result.as_numpy(name) for name in ANSWER_OUTPUTS}
+            if not committed:
+                raise RequestError(f"the decode server at {self.decode_url} ended the turn without its final state")
+            send(pending, True)
+        finally:
+            self.store.end_turn(conversation_id)
+
+
+def _text(value: np.ndarray | None) -> str | None:
+    if value is None or value.size == 0:
+        return None
+    item = value.reshape(-1)[0]
+    return (item.decode("utf-8") if isinstance(item, bytes) else str(item)) or None
+
+
+def _flag(value: np.ndarray | None) -> bool:
+    return bool(value is not None and value.size and value.reshape(-1)[0])

@@ -1,0 +1,63 @@
+"""Disaggregated serving: one Triton server prefills and routes, another decodes; the state travels over gRPC.
+
+`--role decode` loads only the decode models of the repository. `--role prefill` serves a generated repository:
+the adapter-free models and routers as they are, and in place of each ensemble `mol2*` a relay model of the same
+name and the same inputs and outputs, which sends the turn's state to its decode model on the decode server and
+commits the state that comes back. The prefill server owns the conversation store; the decode server owns none.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+from .serving import ROOT
+
+ROLES = ("all", "prefill", "decode")
+RELAY_MODEL = ROOT / "python_backend" / "templates" / "relay_model.py"
+_ENSEMBLE_STEP = re.compile(r'model_name: "((?:router|decode)[a-z0-9_]*)"')
+
+
+def models_of(repository: Path) -> dict[str, str]:
+    """Model name -> config.pbtxt text, for every model directory in the repository."""
+    return {path.parent.name: path.read_text() for path in sorted(repository.glob("*/config.pbtxt"))}
+
+
+def decode_models(repository: Path) -> list[str]:
+    return [name for name, config in models_of(repository).items()
+            if name == "decode" or name.startswith("decode_")]
+
+
+def relay_config(ensemble_config: str, name: str, decode_url: str) -> str:
+    """The ensemble's config turned into a decoupled Python model with the same inputs and outputs."""
+    steps = dict.fromkeys(_ENSEMBLE_STEP.findall(ensemble_config))
+    router = next((m for m in steps if m.startswith("router")), None)
+    decode = next((m for m in steps if m.startswith("decode")), None)
+    if router is None or decode is None:
+        raise ValueError(f"ensemble {name!r} has no router or decode step: cannot split it for disaggregation")
+    head = ensemble_config[:ensemble_config.index("ensemble_scheduling")]
+    head = head.replace('platform: "ensemble"', 'backend: "python"\nmodel_transaction_policy { decoupled: true }')
+    parameters = {"router_model": router, "decode_model": decode, "decode_url": decode_url}
+    lines = [f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}' for key, value in parameters.items()]
+    return head.rstrip() + "\ninstance_group [ { kind: KIND_CPU count: 1 } ]\n" + "\n".join(lines) + "\n"
+
+
+def build_prefill_repository(source: Path, dest: Path, decode_url: str) -> list[str]:
+    """Write the prefill server's repository into `dest` (replaced); returns the relay models written."""
+    if not re.match(r"^[A-Za-z0-9_.\-\[\]:]+:\d+$", decode_url):
+        raise ValueError(f"--decode-url must be HOST:PORT of the decode server's gRPC endpoint, got {decode_url!r}")
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    relays = []
+    for name, config in models_of(source).items():
+        if name in decode_models(source):
+            continue  # decode runs on the decode server
+        if 'platform: "ensemble"' in config:
+            (dest / name / "1").mkdir(parents=True)
+            (dest / name / "config.pbtxt").write_text(relay_config(config, name, decode_url))
+            shutil.copy2(RELAY_MODEL, dest / name / "1" / "model.py")
+            relays.append(name)
+        else:
+            shutil.copytree(source / name, dest / name)
+    return relays

@@ -1,0 +1,118 @@
+"""Disaggregated serving: a prefill server and a decode server (two real tritonservers), the state between them
+over Triton gRPC. Answers equal the single server's; the prefill server owns the store, the decode server none.
+Also the route-only model (a client's own routing decision): it answers over HTTP infer and writes nothing."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from python_backend.roles import build_prefill_repository, decode_models
+
+from test_triton import generate, metric_totals, post
+
+TURNS = [("hello there", "chat"), ("route this one", None), ("write a loop", "coding"), ("and now?", "base"),
+         ("route again", None)]
+
+
+@pytest.fixture(scope="module")
+def disaggregated(start_server, repository, served_dir):
+    decode_args = ["--model-control-mode=explicit", *(f"--load-model={m}" for m in decode_models(repository))]
+    with start_server(repository, store="decode-store", extra_args=decode_args, log="decode.log") as decode:
+        prefill_repository = served_dir / "prefill_repository"
+        build_prefill_repository(repository, prefill_repository, decode.grpc_url)
+        with start_server(prefill_repository, store="prefill-store", log="prefill.log") as prefill:
+            yield prefill, decode
+
+
+def conversation(ports, turns, model="mol2", end=True) -> list[dict]:
+    answers, conversation_id = [], None
+    for number, (text, adapter) in enumerate(turns):
+        fields = dict(text_input=text, max_tokens=5)
+        if adapter:
+            fields["adapter"] = adapter
+        if conversation_id:
+            fields["conversation_id"] = conversation_id
+        if end and number == len(turns) - 1:
+            fields["end_conversation"] = True
+        answer = post(ports, f"/v2/models/{model}/generate", fields)
+        assert "error" not in answer, answer
+        conversation_id = answer["conversation_id_out"]
+        answers.append(answer)
+    return answers
+
+
+def comparable(answers: list[dict]) -> list[tuple]:
+    return [(a["text_output"], a["applied_adapter"], a["replayed_tokens"], a["route_scores"]) for a in answers]
+
+
+def test_disaggregated_equals_single_server(server, disaggregated, served_dir):
+    prefill, decode = disaggregated
+    single = conversation(server, TURNS)
+    split = conversation(prefill, TURNS)
+    assert comparable(split) == comparable(single)
+    assert any(json.loads(a["route_scores"]) for a in split)  # routed turns were among them
+    assert list((served_dir / "prefill-store").glob("*.state")) == []  # ended: the store is back to empty
+    assert list((served_dir / "decode-store").glob("*")) == []  # the decode server never stores state
+
+
+def test_disaggregated_keeps_state_on_the_prefill_server(disaggregated, served_dir):
+    prefill, _ = disaggregated
+    first = conversation(prefill, TURNS[:2], end=False)
+    conversation_id = first[-1]["conversation_id_out"]
+    assert (served_dir / "prefill-store" / f"{conversation_id}.state").is_file()
+    assert not (served_dir / "prefill-store" / f"{conversation_id}.lock").exists()  # the turn lock was released
+    ended = generate(prefill, text_input="bye", adapter="chat", max_tokens=2, conversation_id=conversation_id,
+                     end_conversation=True)
+    assert "error" not in ended, ended
+    assert not (served_dir / "prefill-store" / f"{conversation_id}.state").exists()
+
+
+def test_disaggregated_streams_and_sets(disaggregated):
+    prefill, _ = disaggregated
+    request = urllib.request.Request(f"http://{prefill.http_url}/v2/models/mol2/generate_stream", method="POST",
+                                     data=json.dumps(dict(text_input="go", adapter="chat", max_tokens=4,
+                                                          stream=True)).encode())
+    with urllib.request.urlopen(request, timeout=120) as response:
+        events = [json.loads(line[5:]) for line in response.read().decode().splitlines() if line.startswith("data:")]
+    assert events and all(event["applied_adapter"] == "chat" for event in events)
+    alt = post(prefill, "/v2/models/mol2_alt/generate", dict(text_input="hi", adapter="alt_coding", max_tokens=3))
+    assert alt["applied_adapter"] == "alt_coding", alt
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(text_input="hi", adapter="nope"), "unknown adapter 'nope'"),
+    (dict(text_input="", adapter="chat"), "text_input is empty"),
+    (dict(text_input="hi", adapter="chat", conversation_id="never-started"), "unknown conversation_id"),
+])
+def test_disaggregated_bad_requests(disaggregated, fields, message):
+    prefill, _ = disaggregated
+    answer = generate(prefill, **fields)
+    assert "error" in answer and message in answer["error"], answer
+    assert "error" not in generate(prefill, text_input="still serving?", adapter="chat", max_tokens=2)
+
+
+def test_route_model_answers_over_http_infer_and_writes_nothing(server, served_dir):
+    started = generate(server, text_input="keep me", adapter="chat", max_tokens=3)
+    conversation_id = started["conversation_id_out"]
+    record = served_dir / "conversations" / f"{conversation_id}.state"
+    before = record.read_bytes()
+    counted = metric_totals(server, ["mol2_routes_written"])
+    body = {"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["route me please"]},
+                       {"name": "conversation_id", "shape": [1], "datatype": "BYTES", "data": [conversation_id]}]}
+    answer = post(server, "/v2/models/route/infer", body)
+    outputs = {output["name"]: output["data"][0] for output in answer["outputs"]}
+    scores = json.loads(outputs["route_scores"])
+    assert set(scores) == {"chat", "coding"} and outputs["adapter"] == max(scores, key=scores.get)
+    assert record.read_bytes() == before  # the conversation's state is bitwise what it was
+    assert metric_totals(server, ["mol2_routes_written"]) == counted  # a decision, not a write into a transfer
+    # The routed turn that follows gets the same decision the route model gave.
+    routed = generate(server, text_input="route me please", conversation_id=conversation_id, max_tokens=2,
+                      end_conversation=True)
+    assert routed["applied_adapter"] == outputs["adapter"]
+    unknown = post(server, "/v2/models/route/infer", {"inputs": [
+        {"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["x"]},
+        {"name": "conversation_id", "shape": [1], "datatype": "BYTES", "data": ["never-started"]}]})
+    assert "unknown conversation_id" in unknown["error"]
