@@ -95,9 +95,24 @@ class CEDEngine:
                                       f"maximum of {self.config.max_context}")
         return tokens
 
+    # -- the two model calls: another engine (ONNX Runtime, TensorRT) overrides only these -----------------------
+
+    def _shared_stage(self, state: ConversationState, tokens: list[int]) -> SharedOutput:
+        """The adapter-free stage over `tokens` at the end of the context; appends to the shared windows/globals."""
+        shared = state.shared
+        return self.model.run_shared(torch.tensor([tokens]), shared.length, shared.windows, shared.globals)
+
+    def _decoder_logits(self, state: ConversationState, stream: Tensor, start: int, selection: Selection,
+                        windows: dict, capture: dict[int, list[Tensor]] | None = None) -> Tensor:
+        """The decoder (under the rows' mapped adapter) from `stream` at `start`, appending to `windows`; returns
+        the next-token logits (V,) of the last position."""
+        hidden = self.model.run_decoder(stream, start, selection, windows,
+                                        state.shared.globals[self.config.decoder_start], capture)
+        return self.model.lm_head(hidden[:, -1])[0]
+
     def _run_shared(self, state: ConversationState, tokens: list[int]) -> SharedOutput:
         shared = state.shared
-        out = self.model.run_shared(torch.tensor([tokens]), shared.length, shared.windows, shared.globals)
+        out = self._shared_stage(state, tokens)
         W, k = self.config.window, self.config.index_top_k
         selection = out.selection or Selection(torch.zeros(1, len(tokens), k, dtype=torch.long),
                                                torch.zeros(1, len(tokens), k, dtype=torch.bool))
@@ -136,9 +151,7 @@ class CEDEngine:
         windows = self.model.new_windows(self.config.adapter_bound_layers)
         selection = Selection(shared.selection.idx[:, -n:], shared.selection.valid[:, -n:])
         with self._rows([adapter]):
-            hidden = self.model.run_decoder(shared.stream[:, -n:], state.length - n, selection, windows,
-                                            shared.globals[self.config.decoder_start], capture)
-            logits = self.model.lm_head(hidden[:, -1])[0]
+            logits = self._decoder_logits(state, shared.stream[:, -n:], state.length - n, selection, windows, capture)
         state.bound = AdapterState(adapter, windows, state.length)
         self.stats.replayed_positions += n
         return logits, n
@@ -152,9 +165,7 @@ class CEDEngine:
                              f"{state.bound.length}, not {adapter!r} at {state.length}: call replay first")
         with self._rows([adapter]):
             out = self._run_shared(state, tokens)
-            hidden = self.model.run_decoder(out.stream, state.length - 1, out.selection, state.bound.windows,
-                                            state.shared.globals[self.config.decoder_start])
-            logits = self.model.lm_head(hidden[:, -1])[0]
+            logits = self._decoder_logits(state, out.stream, state.length - 1, out.selection, state.bound.windows)
         state.bound.length = state.length
         self.stats.decoded_tokens += 1
         return logits

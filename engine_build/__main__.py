@@ -6,6 +6,8 @@
     python -m engine_build adapters  --corpus DIR --model DIR --out DIR      the PEFT adapters and their table
     python -m engine_build demo      [--root artifacts]                     all four into artifacts/demo, skipping
                                                                             the steps already done
+    python -m engine_build onnx      --model DIR --out DIR                  the CED stages as ONNX graphs + engine.json
+    python -m engine_build tensorrt  --onnx DIR --out DIR --precision fp16  those graphs as TensorRT plans (GPU)
 """
 from __future__ import annotations
 
@@ -246,8 +248,33 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_onnx(args: argparse.Namespace) -> int:
+    import torch
+
+    from .onnx_export import export_engine
+
+    torch.set_num_threads(args.threads)
+    t0 = time.time()
+    manifest = export_engine(args.model, args.out, opset=args.opset, exporter=args.exporter)
+    print(f"exported {len(manifest['graphs'])} graphs (opset {manifest['opset']}, config "
+          f"{manifest['config_fingerprint']}, weights {manifest['weights_fingerprint']}, "
+          f"{len(manifest['lora_modules'])} LoRA modules) in {time.time() - t0:.1f} s -> {args.out}")
+    return 0
+
+
+def _cmd_tensorrt(args: argparse.Namespace) -> int:
+    from .tensorrt_build import build_engines
+
+    try:
+        build_engines(args.onnx, args.out, args.precision, args.max_tokens, args.max_adapters, args.max_rank)
+    except RuntimeError as error:
+        print(f"tensorrt: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m engine_build", description="Build the demo model: corpus, tokenizer, pretraining, adapters.")
+    p = argparse.ArgumentParser(prog="python -m engine_build", description="Build the demo model (corpus, tokenizer, pretraining, adapters) and its engines (ONNX, TensorRT).")
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("corpus", help="build the offline text corpus (per-domain train/valid JSONL + manifest.json)",
@@ -317,6 +344,30 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--src", type=Path, default=Path("artifacts/demo"), help="the built demo (default artifacts/demo)")
     u.add_argument("--dst", type=Path, default=Path("models/demo"), help="where to publish (default models/demo)")
     u.set_defaults(fn=_cmd_publish)
+
+    from .onnx_export import OPSET
+
+    o = sub.add_parser("onnx", help="export the CED stages (prefill, replay, decode_step) as ONNX graphs",
+                       description=__import__("engine_build.onnx_export", fromlist=["x"]).__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    o.add_argument("--model", type=Path, default=Path("models/demo/model"), help="model folder (default: %(default)s)")
+    o.add_argument("--out", type=Path, required=True, help="output folder (graphs + engine.json)")
+    o.add_argument("--opset", type=int, default=OPSET, help="ONNX opset (default: %(default)s)")
+    o.add_argument("--exporter", choices=("torchscript", "dynamo"), default="torchscript",
+                   help="torch.onnx path: torchscript traces in seconds, dynamo takes minutes (default: %(default)s)")
+    o.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
+    o.set_defaults(fn=_cmd_onnx)
+
+    g = sub.add_parser("tensorrt", help="build TensorRT plans from the ONNX graphs (needs tensorrt and a GPU)",
+                       description=__import__("engine_build.tensorrt_build", fromlist=["x"]).__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    g.add_argument("--onnx", type=Path, required=True, help="folder written by the onnx command")
+    g.add_argument("--out", type=Path, required=True, help="output folder (plans + engine.json)")
+    g.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16", help="(default: %(default)s)")
+    g.add_argument("--max-tokens", type=int, default=256, help="longest prefill chunk (default: %(default)s)")
+    g.add_argument("--max-adapters", type=int, default=8, help="adapter slots (default: %(default)s)")
+    g.add_argument("--max-rank", type=int, default=16, help="largest LoRA rank (default: %(default)s)")
+    g.set_defaults(fn=_cmd_tensorrt)
     return p
 
 

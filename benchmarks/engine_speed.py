@@ -1,0 +1,147 @@
+"""Engine speed: tokens/s of prefill, replay and decode for each engine kind, interleaved in one run.
+
+Every engine serves the trained demo (models/demo) with its four adapters; replay and decode run under one of
+them. Each repeat times every engine in turn on the same work, so drift of the machine spreads over all rows:
+
+- prefill: a fresh conversation's `--context` tokens through the adapter-free stage (chunks of 256);
+- replay:  a switch at that context: the last W positions through the decoder under the adapter;
+- decode:  `--decode` greedy steps after the replay (each step runs both stages for one token).
+
+    python -m benchmarks.engine_speed [--quick] [--json PATH] [--plot PATH] [--trt-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ced.engines import make_engine
+
+from ._report import markdown_table, median_spread, save_figure, write_json
+
+COLUMNS = ["engine", "phase", "tokens", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "ms", "ms_min",
+           "ms_max", "speedup_vs_torch"]
+DEMO = Path(__file__).resolve().parents[1] / "models/demo"
+ADAPTERS = ("chat", "agent", "coding", "design")
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run_phases(engine, history: list[int], adapter: str, n_decode: int) -> dict[str, tuple[int, float]]:
+    """(tokens, seconds) per phase on a fresh conversation."""
+    state = engine.new_conversation()
+    prefill_s = timed(lambda: engine.prefill(state, history))
+    logits = None
+
+    def replay():
+        nonlocal logits
+        logits, _ = engine.replay(state, adapter)
+
+    replay_s = timed(replay)
+    replayed = min(engine.config.window, state.length)
+
+    def decode():
+        current = logits
+        for _ in range(n_decode):
+            current = engine.step(state, int(current.argmax()), adapter)
+
+    decode_s = timed(decode)
+    return {"prefill": (len(history), prefill_s), "replay": (replayed, replay_s), "decode": (n_decode, decode_s)}
+
+
+def measure(engines: dict, history: list[int], adapter: str, n_decode: int, repeats: int) -> list[dict]:
+    for engine in engines.values():  # warm-up: first calls allocate and (ORT) pick kernels
+        run_phases(engine, history[:64], adapter, 2)
+    seconds = {(kind, phase): [] for kind in engines for phase in ("prefill", "replay", "decode")}
+    counts = {}
+    for _ in tqdm(range(repeats), desc="repeats (every engine in turn)"):
+        for kind, engine in engines.items():
+            for phase, (n, s) in run_phases(engine, history, adapter, n_decode).items():
+                seconds[(kind, phase)].append(s)
+                counts[phase] = n
+    rows = []
+    for phase in ("prefill", "replay", "decode"):
+        torch_rate = None
+        for kind in engines:
+            ms, ms_min, ms_max = (1e3 * v for v in median_spread(seconds[(kind, phase)]))
+            rate = counts[phase] / (ms / 1e3)
+            torch_rate = rate if kind == "torch" else torch_rate
+            rows.append(dict(engine=kind, phase=phase, tokens=counts[phase], tokens_per_s=rate,
+                             tokens_per_s_min=counts[phase] / (ms_max / 1e3),
+                             tokens_per_s_max=counts[phase] / (ms_min / 1e3), ms=ms, ms_min=ms_min, ms_max=ms_max,
+                             speedup_vs_torch=rate / torch_rate if torch_rate else float("nan")))
+    return rows
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = ["prefill", "replay", "decode"]
+    kinds = list(dict.fromkeys(r["engine"] for r in rows))
+    figure, axis = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(kinds)
+    for i, kind in enumerate(kinds):
+        these = [next(r for r in rows if r["engine"] == kind and r["phase"] == p) for p in phases]
+        x = [j + (i - (len(kinds) - 1) / 2) * width for j in range(len(phases))]
+        axis.bar(x, [r["tokens_per_s"] for r in these], width, label=kind,
+                 yerr=[[r["tokens_per_s"] - r["tokens_per_s_min"] for r in these],
+                       [r["tokens_per_s_max"] - r["tokens_per_s"] for r in these]], capsize=3)
+    axis.set_xticks(range(len(phases)), phases)
+    axis.set(yscale="log", ylabel="tokens/s (median, min-max)", title="CED engines on the demo model")
+    axis.legend()
+    save_figure(figure, path)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="512-token context, 16 decode steps, 3 repeats")
+    parser.add_argument("--context", type=int, help="tokens prefilled (default 2048)")
+    parser.add_argument("--decode", type=int, help="decode steps (default 64)")
+    parser.add_argument("--repeats", type=int, help="interleaved repeats (default 7)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch and ONNX Runtime threads (default 1: steadiest on a shared machine)")
+    parser.add_argument("--model", type=Path, default=DEMO / "model", help="model folder (default: the demo)")
+    parser.add_argument("--onnx-dir", type=Path, help="built ONNX engine (default: exported once and cached)")
+    parser.add_argument("--trt-dir", type=Path, help="built TensorRT engine: adds a tensorrt row (GPU)")
+    parser.add_argument("--json", help="write the table as JSON rows here")
+    parser.add_argument("--plot", default="artifacts/benchmarks/engine_speed.png", help="PNG path")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    context = args.context or (512 if args.quick else 2048)
+    n_decode = args.decode or (16 if args.quick else 64)
+    repeats = args.repeats or (3 if args.quick else 7)
+
+    engines = {"torch": make_engine("torch", args.model),
+               "onnxruntime": make_engine("onnxruntime", args.model, engine_dir=args.onnx_dir, threads=args.threads)}
+    if args.trt_dir:
+        engines["tensorrt"] = make_engine("tensorrt", args.model, engine_dir=args.trt_dir)
+    adapters = [name for name in ADAPTERS if (args.model.parent / "adapters" / name).is_dir()]
+    for engine in engines.values():
+        for name in adapters:
+            engine.adapters.load(name, args.model.parent / "adapters" / name)
+    adapter = "coding" if "coding" in adapters else None
+    config = engines["torch"].config
+    history = torch.randint(0, config.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    rows = measure(engines, history, adapter, n_decode, repeats)
+    print(f"\nEngine speed on {args.model} (W={config.window}; {context}-token prefill, replay of W under "
+          f"{adapter!r}, {n_decode} decode steps; medians with min-max over {repeats} interleaved repeats, "
+          f"{args.threads} threads)\n")
+    print(markdown_table(rows, COLUMNS))
+    write_json(rows, args.json)
+    plot(rows, args.plot)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
