@@ -8,6 +8,8 @@ import signal
 import time
 from pathlib import Path
 
+from ced.engines import ENGINE_KINDS
+
 from .launcher import LaunchError, Ports, start, stop, wait_ready
 from .roles import ROLES, build_prefill_repository, decode_models
 from .serving import ROOT, demo_model_dir, write_demo_adapter_set
@@ -45,6 +47,10 @@ def add_parser(commands) -> None:
                              "decode models; 'prefill' tokenizes, prefills, routes and relays each turn to the "
                              "decode server (--decode-url), keeping the conversation store")
     parser.add_argument("--decode-url", help="with --role prefill: the decode server's gRPC endpoint, HOST:PORT")
+    parser.add_argument("--engine", choices=ENGINE_KINDS, default="torch",
+                        help="what runs the CED stages: the PyTorch engine, the exported ONNX graphs under ONNX "
+                             "Runtime (exported on first use), or TensorRT engines (GPU; --engine-dir)")
+    parser.add_argument("--engine-dir", help="a built engine folder (python -m engine_build onnx | tensorrt)")
     parser.add_argument("--ready-only", action="store_true", help="exit once the server answers ready (smoke test)")
     parser.set_defaults(run=serve)
 
@@ -67,13 +73,31 @@ def role_repository(args: argparse.Namespace) -> tuple[Path, list[str]]:
     return repository, []
 
 
+def engine_settings(args: argparse.Namespace, model_dir: Path) -> dict[str, str]:
+    """MOL2_ENGINE / MOL2_ENGINE_DIR for the server's models; an engine is built or checked once, here."""
+    engine_dir = args.engine_dir
+    if args.engine == "onnxruntime" and not engine_dir:
+        from ced.engines import ensure_onnx_engine
+
+        engine_dir = str(ensure_onnx_engine(model_dir))  # once, not once per Triton model
+    if args.engine == "tensorrt":
+        from ced.trt_engine import require_tensorrt
+
+        require_tensorrt()  # a CPU machine hears what is missing now, not from every model's initialize
+        if not engine_dir:
+            raise SystemExit("--engine tensorrt needs --engine-dir (python -m engine_build tensorrt ...)")
+    return {"MOL2_ENGINE": args.engine, "MOL2_ENGINE_DIR": engine_dir or ""}
+
+
 def serve(args: argparse.Namespace) -> None:
     model_dir = prepare_demo()
     ports = Ports(args.http_port, args.grpc_port, args.metrics_port, args.host)
     Path(args.log).parent.mkdir(parents=True, exist_ok=True)
     repository, extra_args = role_repository(args)
-    print(f"serving {model_dir} (adapters: {model_dir.parent / 'adapter_set.json'}); role {args.role}; log: {args.log}")
-    process = start(repository, ports, ROOT / "artifacts/triton", Path(args.log), extra_args)
+    env = engine_settings(args, model_dir)
+    print(f"serving {model_dir} (adapters: {model_dir.parent / 'adapter_set.json'}); role {args.role}; engine "
+          f"{args.engine}; log: {args.log}")
+    process = start(repository, ports, ROOT / "artifacts/triton", Path(args.log), extra_args, env=env)
     stopping = {"now": False}
 
     def on_signal(signum, frame):

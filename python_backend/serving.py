@@ -1,6 +1,6 @@
 """Serving settings and the objects each Triton model builds from them in `initialize`.
 
-Every setting comes from the model's config.pbtxt `parameters`. A path left `auto` is taken from the
+Every setting comes from the model's config.pbtxt `parameters`. A setting left `auto` is taken from the
 environment variable MOL2_<NAME> when set (`mol2 serve` and the tests use this), else from the demo: the trained
 demo when it exists (models/demo), the untrained one otherwise. Relative paths are relative to the project root.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ced.engine import CEDEngine
-from ced.model import CEDForCausalLM
+from ced.engines import ENGINE_KINDS, make_engine
 
 from .adapter_set import AdapterSetWatcher, sync_registry
 from .store import ConversationStore
@@ -23,7 +23,7 @@ from ced.tokenization import ChatTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS = {"model_dir": "auto", "adapter_set": "auto", "store_dir": "auto", "router_dir": "auto", "threads": "1",
-            "idle_timeout_s": "3600", "max_adapters": "8", "max_rank": "16"}
+            "idle_timeout_s": "3600", "max_adapters": "8", "max_rank": "16", "engine": "auto", "engine_dir": "auto"}
 
 
 def _resolve(path: str) -> Path:
@@ -61,6 +61,8 @@ class ServingSettings:
     idle_timeout_s: float
     max_adapters: int
     max_rank: int
+    engine: str = "torch"  # torch | onnxruntime | tensorrt (ced.engines)
+    engine_dir: Path | None = None  # None: onnxruntime exports once into artifacts/engines/
 
     @classmethod
     def from_parameters(cls, parameters: dict[str, str]) -> "ServingSettings":
@@ -72,9 +74,14 @@ class ServingSettings:
                        else _resolve(values["adapter_set"]))
         router_dir = model_dir.parent / "router" if values["router_dir"] == "auto" else _resolve(values["router_dir"])
         store_dir = ROOT / "artifacts/conversations" if values["store_dir"] == "auto" else _resolve(values["store_dir"])
+        engine = "torch" if values["engine"] == "auto" else values["engine"]
+        if engine not in ENGINE_KINDS:
+            raise ValueError(f"engine {engine!r} is not one of {', '.join(ENGINE_KINDS)}")
+        engine_dir = None if values["engine_dir"] in ("auto", "") else _resolve(values["engine_dir"])
         return cls(model_dir, adapter_set, store_dir,
                    router_dir if router_dir.is_dir() else None, int(values["threads"]),
-                   float(values["idle_timeout_s"]), int(values["max_adapters"]), int(values["max_rank"]))
+                   float(values["idle_timeout_s"]), int(values["max_adapters"]), int(values["max_rank"]),
+                   engine, engine_dir)
 
 
 def triton_parameters(model_config: dict) -> dict[str, str]:
@@ -95,8 +102,8 @@ class Served:
     @classmethod
     def open(cls, settings: ServingSettings, with_adapters: bool = True) -> "Served":
         torch.set_num_threads(settings.threads)
-        engine = CEDEngine(CEDForCausalLM.from_pretrained(settings.model_dir), settings.max_adapters,
-                           settings.max_rank)
+        engine = make_engine(settings.engine, settings.model_dir, settings.max_adapters, settings.max_rank,
+                             settings.engine_dir, settings.threads)
         served = cls(settings, engine, ConversationStore(settings.store_dir, engine.config, settings.idle_timeout_s),
                      ChatTokenizer(settings.model_dir), AdapterSetWatcher(settings.adapter_set), {})
         if with_adapters:

@@ -40,8 +40,8 @@ def encode_state(state: ConversationState, config: CEDConfig) -> bytes:
 
     def put(prefix: str, **values):
         for name, value in values.items():
-            if value is not None:
-                tensors[f"{prefix}.{name}"] = value.contiguous()
+            if value is not None:  # dense strides: a size-1 dim may carry stride 0 (ONNX Runtime outputs do)
+                tensors[f"{prefix}.{name}"] = value.clone(memory_format=torch.contiguous_format)
 
     for layer, window in state.shared.windows.items():
         put(f"shared.window.{layer}", k=window.k, v=window.v)

@@ -59,8 +59,9 @@ def start_server(served_dir):
     """A context manager: a tritonserver on fresh loopback ports with MOL2_* settings pointing at `served_dir`
     (its conversation store in `served_dir / store`)."""
 
-    def server_on(repository, store: str = "conversations", extra_args=(), log: str = "tritonserver.log"):
-        settings = {"MOL2_MODEL_DIR": str(served_dir / "model"),
+    def server_on(repository, store: str = "conversations", extra_args=(), log: str = "tritonserver.log",
+                  engine: str = "torch"):
+        settings = {"MOL2_ENGINE": engine, "MOL2_MODEL_DIR": str(served_dir / "model"),
                     "MOL2_ADAPTER_SET": str(served_dir / "adapter_set.json"),
                     "MOL2_STORE_DIR": str(served_dir / store), "MOL2_ROUTER_DIR": str(served_dir / "router")}
         ports = Ports(free_port(), free_port(), free_port())

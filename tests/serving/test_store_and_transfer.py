@@ -36,6 +36,17 @@ def test_round_trip_continues_bit_for_bit(conversation):
     assert torch.equal(engine.turn(restored, [1, 2], "L0").logits, engine.turn(state, [1, 2], "L0").logits)
 
 
+def test_tensors_with_zero_strides_are_encoded(conversation):
+    """ONNX Runtime hands back size-1 dims with stride 0: the codec stores them densely, values unchanged."""
+    engine, state = conversation
+    window = next(w for w in state.shared.windows.values() if w.k is not None)
+    narrow = window.k[..., :1].contiguous()
+    window.k = torch.as_strided(narrow, narrow.shape, (*narrow.stride()[:-1], 0))
+    restored = decode_state(encode_state(state, engine.config), engine.config)
+    restored_k = next(w.k for w in restored.shared.windows.values() if w.k is not None)
+    assert torch.equal(restored_k, window.k)
+
+
 def test_damaged_and_foreign_records_are_refused(conversation):
     engine, state = conversation
     data = bytearray(encode_state(state, engine.config))
