@@ -19,7 +19,8 @@ from .transfer import decode_state
 # The request fields a relay passes on to decode unchanged, with the dtypes decode's config declares.
 PASSED_ON = {"max_tokens": np.int32, "stream": np.bool_, "temperature": np.float32, "top_p": np.float32,
              "top_k": np.int32, "seed": np.uint64, "end_conversation": np.bool_}
-ANSWER_OUTPUTS = ("text_output", "applied_adapter", "replayed_tokens", "route_scores", "conversation_id_out")
+ANSWER_OUTPUTS = ("text_output", "applied_adapter", "replayed_tokens", "output_tokens", "route_scores",
+                  "conversation_id_out")
 
 Call = Callable[[str, dict[str, np.ndarray], list[str]], dict[str, np.ndarray]]
 

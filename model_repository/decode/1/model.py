@@ -42,9 +42,10 @@ class TritonPythonModel:
         return decode_request, bool(get("stream", bool, False)), as_text(optional(pb, request, "_route_scores"),
                                                                           "_route_scores") or "{}"
 
-    def _response(self, text, adapter, replayed, scores, conversation_id):
+    def _response(self, text, adapter, replayed, scores, conversation_id, generated):
         return pb.InferenceResponse([text_tensor(pb, "text_output", text), text_tensor(pb, "applied_adapter", adapter),
                                      pb.Tensor("replayed_tokens", np.array([replayed], dtype=np.int32)),
+                                     pb.Tensor("output_tokens", np.array([generated], dtype=np.int32)),
                                      text_tensor(pb, "route_scores", scores),
                                      text_tensor(pb, "conversation_id_out", conversation_id)])
 
@@ -89,14 +90,14 @@ class TritonPythonModel:
                 text = self.served.tokenizer.decode(ids)
                 if len(text) > len(shown) and not text.endswith("\ufffd"):  # wait out partial characters
                     sender.send(self._response(text[len(shown):], adapter, replayed, scores,
-                                               decode_request.conversation_id))
+                                               decode_request.conversation_id, len(ids)))
                     shown = text
         self.counters.add("mol2_requests", adapter)
         final_text = self.served.tokenizer.decode(ids)
         last = []  # the FINAL flag rides the last response (a non-streaming generate expects just one)
         if not stream or final_text[len(shown):]:
             last.append(self._response(final_text[len(shown):] if stream else final_text, adapter, replayed,
-                                       scores, decode_request.conversation_id))
+                                       scores, decode_request.conversation_id, len(ids)))
         if decode_request.return_state:
             last.append(pb.InferenceResponse([pb.Tensor("_state_out", np.frombuffer(decode_request.final_state,
                                                                                    dtype=np.uint8))]))
