@@ -17,7 +17,7 @@ import torch
 from heterofold.baselines import ALL_METHODS, COMPOSED, compose, fit_method
 from heterofold.evaluate import Direction, EvalConfig, evaluate, make_items
 from heterofold import corpus
-from heterofold.pipeline import DIRECTIONS, collect_direction
+from heterofold.pipeline import DIRECTIONS, N_HELD, N_TRAIN, collect_direction
 from heterofold.zoo import ROOT, load_zoo
 
 QUICK_METHODS = ["text_reprefill", "heterofold", "kv_ridge_ta", "dense_latent_ta", "abl_index_pairing"]
@@ -68,8 +68,8 @@ def main(argv=None) -> list[dict]:
     dirs = ([tuple(d.split(":")) for d in args.directions.split(",")] if args.directions
             else ([("llama", "qwen3")] if args.quick else DIRECTIONS))
     methods = args.methods.split(",") if args.methods else (QUICK_METHODS if args.quick else ALL_METHODS)
-    n_train = args.n_train or (32 if args.quick else 64)
-    n_held = args.n_held or (8 if args.quick else 16)
+    n_train = args.n_train or (32 if args.quick else N_TRAIN)
+    n_held = args.n_held or (8 if args.quick else N_HELD)
     ecfg = EvalConfig(n_docs=8, n_mc=8, n_recon=6) if args.quick else EvalConfig(
         n_docs=args.n_docs, n_mc=args.n_docs, n_recon=max(args.n_docs * 2 // 3, 1))
     zoo = load_zoo(tuple(dict.fromkeys(f for d in dirs for f in d)))

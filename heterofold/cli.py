@@ -1,4 +1,5 @@
-"""`heterofold fit | eval | apply`: fit a map for a direction, evaluate methods, continue text from a mapped cache."""
+"""`heterofold fit | eval | apply | serve`: fit a map for a direction, evaluate methods, continue text from a mapped
+cache, serve the maps through Triton."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +9,7 @@ from pathlib import Path
 import torch
 
 from .families import FAMILIES
+from .pipeline import N_HELD, N_TRAIN
 from .zoo import ROOT, load_or_train
 
 
@@ -42,6 +44,39 @@ def cmd_apply(args) -> None:
         print(f"native prefill:  {native_continuation(r, args.text, args.max_new)!r}")
 
 
+def cmd_serve(args) -> None:
+    """tritonserver on model_repository_heterofold/ (heterofold_sender + the BLS model heterofold)."""
+    import signal
+    import time
+
+    from python_backend.launcher import LaunchError, Ports, start, stop, wait_ready
+
+    from .serving import REPOSITORY
+
+    root = Path(args.root).resolve()
+    maps = sorted(p.name for p in (root / "maps").glob("*") if (p / "map.json").is_file())
+    ports = Ports(args.http_port, args.grpc_port, args.metrics_port, args.host)
+    log = Path(args.log or root / "tritonserver.log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"serving {REPOSITORY.name} on zoo + maps in {root} (maps: {maps or 'none yet'}); log: {log}")
+    process = start(REPOSITORY, ports, root / "triton", log, env={"HETEROFOLD_ROOT": str(root)})
+    stopping = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.append(1))
+    try:
+        wait_ready(process, ports)
+        body = json.dumps({"text_input": "Package grep (utils): GNU grep", "map": maps[0] if maps else
+                           "llama-to-qwen3", "max_tokens": 16})
+        print(f"ready: HTTP http://{ports.http_url}  gRPC {ports.grpc_url}\ntry:\n  curl -s -X POST "
+              f"http://{ports.http_url}/v2/models/heterofold/generate -d '{body}'")
+        while not stopping and not args.ready_only:
+            if process.poll() is not None:
+                raise LaunchError(f"tritonserver exited with code {process.returncode}; see {log}")
+            time.sleep(0.5)
+    finally:
+        stop(process)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="heterofold", description=__doc__)
     p.add_argument("--root", default=str(ROOT), help="artifact folder (zoo, corpus, maps)")
@@ -56,8 +91,8 @@ def main(argv=None) -> None:
     f = sub.add_parser("fit", help="fit and save the HeteroFold map for one direction")
     pair_args(f)
     f.add_argument("--out", help="map folder (default ROOT/maps/SENDER-to-RECEIVER)")
-    f.add_argument("--n-train", type=int, default=128, help="calibration prompts")
-    f.add_argument("--n-held", type=int, default=32, help="held-out calibration prompts")
+    f.add_argument("--n-train", type=int, default=N_TRAIN, help="calibration prompts")
+    f.add_argument("--n-held", type=int, default=N_HELD, help="held-out calibration prompts")
     f.set_defaults(fn=cmd_fit)
 
     e = sub.add_parser("eval", help="evaluate HeteroFold, baselines and ablations on one direction")
@@ -73,6 +108,17 @@ def main(argv=None) -> None:
     a.add_argument("--max-new", type=int, default=24)
     a.add_argument("--native", action="store_true", help="also print the receiver's own continuation")
     a.set_defaults(fn=cmd_apply)
+
+    sv = sub.add_parser("serve", help="serve the maps through Triton (BLS model `heterofold`)",
+                        description="Start tritonserver on model_repository_heterofold/ with the zoo and maps under "
+                                    "--root; Ctrl-C stops it.")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--http-port", type=int, default=8010)
+    sv.add_argument("--grpc-port", type=int, default=8011)
+    sv.add_argument("--metrics-port", type=int, default=8012)
+    sv.add_argument("--log", help="server log (default ROOT/tritonserver.log)")
+    sv.add_argument("--ready-only", action="store_true", help="exit once the server answers ready (smoke test)")
+    sv.set_defaults(fn=cmd_serve)
 
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)

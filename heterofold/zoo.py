@@ -10,7 +10,7 @@ import json
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -73,7 +73,7 @@ def train(model, tok: TextTokenizer, docs: list[str], cfg: TrainConfig, desc: st
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
     model.eval()
     return losses
@@ -96,30 +96,49 @@ class ZooModel:
                 m.config._attn_implementation = impl
 
 
+def save(zm: ZooModel, out: Path, log: dict | None = None) -> None:
+    """Write a zoo entry: weights (safetensors, tied head dropped), tokenizer tables, the `FamilySpec` it was
+    built from (`spec.json`) and an optional training log."""
+    out.mkdir(parents=True, exist_ok=True)
+    zm.tok.save(out / "tokenizer")
+    save_file({k: v.contiguous() for k, v in zm.model.state_dict().items() if "lm_head" not in k},
+              out / "model.safetensors")
+    (out / "spec.json").write_text(json.dumps(asdict(zm.spec), indent=1))
+    if log is not None:
+        (out / "train_log.json").write_text(json.dumps(log))
+
+
+def load(family: str, root: Path = ROOT, seed: int = 0) -> ZooModel:
+    """Load a trained zoo model (never trains). The entry's own `spec.json` wins over the preset when present, so
+    a zoo of other sizes (e.g. the tests' tiny pair) loads through the same path."""
+    out = Path(root) / "zoo" / family
+    if not (out / "model.safetensors").exists():
+        raise FileNotFoundError(f"no zoo model {family!r} under {Path(root) / 'zoo'}: run `heterofold fit` "
+                                f"(it trains the zoo on first use)")
+    spec = FamilySpec(**json.loads((out / "spec.json").read_text())) if (out / "spec.json").exists() \
+        else FAMILIES[family]
+    tok = TextTokenizer.load(out / "tokenizer")
+    model = spec.build(tok.vocab_size, seed=seed)
+    model.load_state_dict(load_file(out / "model.safetensors"), strict=False)
+    model.tie_weights()
+    return ZooModel(spec, model.eval(), tok)
+
+
 def load_or_train(family: str, root: Path = ROOT, cfg: TrainConfig | None = None) -> ZooModel:
     cfg = cfg or TrainConfig()
+    if (root / "zoo" / family / "model.safetensors").exists():
+        return load(family, root, cfg.seed)
     spec = FAMILIES[family]
-    out = root / "zoo" / family
     docs = corpus.build(root / "corpus.json")["train"]
-    if (out / "model.safetensors").exists():
-        tok = TextTokenizer.load(out / "tokenizer")
-        model = spec.build(tok.vocab_size, seed=cfg.seed)
-        model.load_state_dict(load_file(out / "model.safetensors"), strict=False)
-        model.tie_weights()
-        return ZooModel(spec, model.eval(), tok)
     torch.set_num_threads(cfg.threads)
     t0 = time.time()
     tok = TextTokenizer.build(spec.tokenizer, docs[:3000], cfg.vocab_size)
     model = spec.build(tok.vocab_size, seed=cfg.seed)
     losses = train(model, tok, docs, cfg, desc=f"train {family}")
-    out.mkdir(parents=True, exist_ok=True)
-    tok.save(out / "tokenizer")
-    save_file({k: v.contiguous() for k, v in model.state_dict().items() if "lm_head" not in k},
-              out / "model.safetensors")
-    (out / "train_log.json").write_text(json.dumps({"config": cfg.__dict__, "losses": losses,
-                                                    "seconds": time.time() - t0,
-                                                    "params": sum(p.numel() for p in model.parameters())}))
-    return ZooModel(spec, model, tok)
+    zm = ZooModel(spec, model, tok)
+    save(zm, root / "zoo" / family, {"config": cfg.__dict__, "losses": losses, "seconds": time.time() - t0,
+                                     "params": sum(p.numel() for p in model.parameters())})
+    return zm
 
 
 def load_zoo(families=("llama", "qwen3", "mistral"), root: Path = ROOT) -> dict[str, ZooModel]:

@@ -53,3 +53,33 @@ def tiny_models(tokenizers):
         model = spec.build(tokenizers[name].vocab_size, seed=i, max_positions=512, attn="eager")
         out[name] = Adapter(model, spec)
     return out
+
+
+def build_served_root(root, tokenizers, sender: str = "llama", receiver: str = "qwen3"):
+    """A tiny zoo (the TINY specs, 300 training steps each, a few seconds) and one map `sender-to-receiver`, laid out as
+    `heterofold fit` lays out the real ones: what the serving tests serve. Returns the map's folder."""
+    from heterofold import mapfile, zoo
+    from heterofold.calibrate import FitConfig, collect, fit
+
+    torch.set_num_threads(1)
+    models = {}
+    for i, family in enumerate((sender, receiver)):
+        spec, tok = TINY[family], tokenizers[family]
+        model = spec.build(tok.vocab_size, seed=i)
+        zoo.train(model, tok, TEXTS, zoo.TrainConfig(steps=300, batch=8, seq_len=64, vocab_size=300, seed=i),
+                  desc=f"tiny {family}")
+        zoo.save(zoo.ZooModel(spec, model, tok), root / "zoo" / family)
+        models[family] = zoo.load(family, root)          # fingerprints as the server will compute them
+    S, R = models[sender], models[receiver]
+    samples = collect(S.adapter, R.adapter, S.tok, R.tok, TEXTS[:8])
+    m, _ = fit(S.adapter, R.adapter, samples[:6], samples[6:], FitConfig(epochs=1), progress=False)
+    out = root / "maps" / f"{sender}-to-{receiver}"
+    mapfile.save(m, out, mapfile.fingerprint(S.adapter, S.tok), mapfile.fingerprint(R.adapter, R.tok), "tiny-calib")
+    return out
+
+
+@pytest.fixture(scope="session")
+def served_root(tmp_path_factory, tokenizers):
+    root = tmp_path_factory.mktemp("heterofold_served")
+    build_served_root(root, tokenizers)
+    return root

@@ -1,4 +1,4 @@
-"""The `heterofold` command line parses its three subcommands and documents them in --help."""
+"""The `heterofold` command line parses its subcommands and documents them in --help."""
 import pytest
 
 from heterofold.cli import main
@@ -17,3 +17,9 @@ def test_subcommand_help(capsys, cmd):
     with pytest.raises(SystemExit):
         main([cmd, "--help"])
     assert "--sender" in capsys.readouterr().out
+
+
+def test_serve_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "--http-port" in capsys.readouterr().out
