@@ -19,8 +19,8 @@ from .transfer import decode_state
 # The request fields a relay passes on to decode unchanged, with the dtypes decode's config declares.
 PASSED_ON = {"max_tokens": np.int32, "stream": np.bool_, "temperature": np.float32, "top_p": np.float32,
              "top_k": np.int32, "seed": np.uint64, "end_conversation": np.bool_}
-ANSWER_OUTPUTS = ("text_output", "applied_adapter", "replayed_tokens", "output_tokens", "route_scores",
-                  "conversation_id_out")
+ANSWER_OUTPUTS = ("applied_adapter", "replayed_tokens", "output_tokens", "route_scores", "conversation_id_out")
+IDS = ("_ids", "_fresh", "_last")  # what decode sends for `detokenize` to turn into text_output
 
 Call = Callable[[str, dict[str, np.ndarray], list[str]], dict[str, np.ndarray]]
 
@@ -99,7 +99,8 @@ def remote_decode(url: str, model: str, inputs: dict[str, np.ndarray], timeout_s
 
 
 class Relay:
-    """One turn on a prefill server: prefill and route here, decode there, the final state committed here.
+    """One turn on a prefill server: prefill and route here, decode there (its ids detokenized here), the final
+    state committed here.
 
     `send(outputs, final)` hands one response to the client. The turn lock taken by prefill is held until the
     state is committed (or the turn fails), exactly as on a single server.
@@ -132,6 +133,7 @@ class Relay:
                 if pending is not None:  # one behind, so the FINAL flag rides the last answer, as decode sends it
                     send(pending, False)
                 pending = {name: result.as_numpy(name) for name in ANSWER_OUTPUTS}
+                pending.update(self.call("detokenize", {name: result.as_numpy(name) for name in IDS}, ["text_output"]))
             if not committed:
                 raise RequestError(f"the decode server at {self.decode_url} ended the turn without its final state")
             send(pending, True)

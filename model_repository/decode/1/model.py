@@ -1,5 +1,6 @@
 """Decoupled decode: maps the transfer's adapter hash through this server's registry, replays W positions under
-that adapter, then streams tokens (one response per token with `stream`, else one aggregated response).
+that adapter, then streams token ids (one response per token with `stream`, else one aggregated response) for
+the `detokenize` step to turn into text.
 With `_return_state` (a disaggregated prefill server's relay) the final state comes back in `_state_out`, in a
 last response of its own, and the store is not touched: the prefill server owns it."""
 
@@ -9,6 +10,7 @@ import numpy as np
 import triton_python_backend_utils as pb
 
 from ced.engine import SamplingParams
+from python_backend.detokenize import window
 from python_backend.metrics import Counters
 from python_backend.serving import Served, ServingSettings, triton_parameters
 from python_backend.stages import DecodeRequest, DecodeStage, TransferMeta
@@ -42,10 +44,13 @@ class TritonPythonModel:
         return decode_request, bool(get("stream", bool, False)), as_text(optional(pb, request, "_route_scores"),
                                                                           "_route_scores") or "{}"
 
-    def _response(self, text, adapter, replayed, scores, conversation_id, generated):
-        return pb.InferenceResponse([text_tensor(pb, "text_output", text), text_tensor(pb, "applied_adapter", adapter),
+    def _response(self, ids, fresh, last, adapter, replayed, scores, conversation_id):
+        """The newest `fresh` ids (after a few earlier ones, for detokenize) and the turn's metadata."""
+        return pb.InferenceResponse([pb.Tensor("_ids", np.array(window(ids, fresh), dtype=np.int64)),
+                                     pb.Tensor("_fresh", np.array([fresh], dtype=np.int32)),
+                                     pb.Tensor("_last", np.array([last])), text_tensor(pb, "applied_adapter", adapter),
                                      pb.Tensor("replayed_tokens", np.array([replayed], dtype=np.int32)),
-                                     pb.Tensor("output_tokens", np.array([generated], dtype=np.int32)),
+                                     pb.Tensor("output_tokens", np.array([len(ids)], dtype=np.int32)),
                                      text_tensor(pb, "route_scores", scores),
                                      text_tensor(pb, "conversation_id_out", conversation_id)])
 
@@ -80,30 +85,22 @@ class TritonPythonModel:
         except ValueError:
             self._end_turn_here(request)
             raise
-        ids, shown, replayed = [], "", 0
+        ids, replayed = [], 0
+        respond = lambda fresh, last: self._response(ids, fresh, last, adapter, replayed, scores,  # noqa: E731
+                                                     decode_request.conversation_id)
         for token, replayed in self.stage.run(self.served.watcher.current, decode_request):
             if not ids:
                 self.counters.add("mol2_routes_applied", adapter)
                 self.counters.add("mol2_replayed_tokens", adapter, replayed)
             ids.append(token)
             if stream:
-                text = self.served.tokenizer.decode(ids)
-                if len(text) > len(shown) and not text.endswith("\ufffd"):  # wait out partial characters
-                    sender.send(self._response(text[len(shown):], adapter, replayed, scores,
-                                               decode_request.conversation_id, len(ids)))
-                    shown = text
+                sender.send(respond(1, False))
         self.counters.add("mol2_requests", adapter)
-        final_text = self.served.tokenizer.decode(ids)
-        last = []  # the FINAL flag rides the last response (a non-streaming generate expects just one)
-        if not stream or final_text[len(shown):]:
-            last.append(self._response(final_text[len(shown):] if stream else final_text, adapter, replayed,
-                                       scores, decode_request.conversation_id, len(ids)))
+        # Streamed: the last response adds no ids, it flushes a character left unfinished (and carries FINAL).
+        last = [respond(0 if stream else len(ids), True)]
         if decode_request.return_state:
             last.append(pb.InferenceResponse([pb.Tensor("_state_out", np.frombuffer(decode_request.final_state,
                                                                                    dtype=np.uint8))]))
         for response in last[:-1]:
             sender.send(response)
-        if last:
-            sender.send(last[-1], flags=FINAL)
-        else:
-            sender.send(flags=FINAL)
+        sender.send(last[-1], flags=FINAL)
