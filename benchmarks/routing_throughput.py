@@ -206,8 +206,8 @@ def perf_analyzer_rows(root: Path, url: str, concurrency: int, quick: bool) -> l
                 command.append("--streaming")
             done = subprocess.run(command, capture_output=True, text=True, timeout=900)
             if done.returncode != 0:  # e.g. no stable window on a busy machine: say so, keep the other rows
-                last = (done.stdout + done.stderr).strip().splitlines()[-1:] or ["no output"]
-                print(f"perf_analyzer failed on {setup}: {last[0]}")
+                said = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()][-2:]
+                print(f"perf_analyzer failed on {setup} (exit code {done.returncode}): {' '.join(said) or 'no output'}")
                 continue
             measured = next(csv.DictReader(open(report.name)))
         # For a decoupled model perf_analyzer times the first response: its latency is time to first token.

@@ -15,7 +15,7 @@ if [ ! -x "$BIN" ]; then  # pip will not install a manylinux_2_38 wheel on an ol
   python3 -m zipfile -e "$PRIVATE"/wheel/perf_analyzer-2.60.0-*.whl "$PRIVATE/pkg"
   chmod +x "$BIN"
 fi
-glibc=$(ldd --version | head -n1 | grep -oE '[0-9]+\.[0-9]+$')
+glibc=$(getconf GNU_LIBC_VERSION | awk '{print $2}')  # not `ldd --version | head`: SIGPIPE under pipefail
 if printf '%s\n2.38\n' "$glibc" | sort -V -C; then  # glibc older than 2.38: use the private loader
   ROOTFS="$PRIVATE/root"
   if [ ! -e "$ROOTFS/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2" ]; then
