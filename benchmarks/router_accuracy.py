@@ -6,7 +6,13 @@ decodes for every decision, so it runs through the engine on a class-stratified 
 on that same subset all three routers also run end to end through the engine (prefill the turn, then decide), which
 checks that the feature path and the serving path agree.
 
+Splits: generic train/dev/test, domain train/dev, `domain.bench` (held out, but from the same corpus sources and
+templates as domain train) and, when built, `domain.freeform` (hand-written requests that follow no training
+template; `mol2 router data --freeform-only`). `--route-prompt` scores the MoL2 heads with another route prompt on
+the option side (what serving does with an adapter set whose prompt differs from the trained one).
+
     python -m benchmarks.router_accuracy [--quick] [--json PATH] [--plot PATH] [--checkpoint last|best]
+                                         [--no-harness] [--route-prompt TEXT] [--runs DIR]
 """
 
 from __future__ import annotations
@@ -25,21 +31,24 @@ from ._report import markdown_table, save_figure, write_json
 COLUMNS = ["router", "mode", "checkpoint", "split", "accuracy", "std", "seeds", "n"]
 
 
-def head_predictions(demo, data_dir, kind, checkpoint, modes, progress=False):
-    """{(mode, seed): {split: [correct...]}} plus the sets, for every saved run of `kind`."""
-    from mol2_router.features import RouteTokenizer
-    from mol2_router.pipeline import CONTEXTUAL_LIMITS, WORK, load_head, load_model, load_sets
+def head_predictions(demo, data_dir, kind, checkpoint, modes, progress=False, route_prompt=None, runs_dir=None,
+                     splits=None):
+    """{(mode, seed): {split: [(question, predicted name)...]}} plus the sets, for every saved run of `kind`."""
+    from mol2_router.features import ROUTE_PROMPT, RouteTokenizer
+    from mol2_router.pipeline import CONTEXTUAL_LIMITS, OPTIONAL_SPLITS, SPLITS, WORK, load_head, load_model, load_sets
     from mol2_router.train import OptionTable, Scorer, predict
 
-    runs = sorted((WORK / "runs" / demo.tag).glob(f"{kind}-*-seed*"))
+    runs = sorted(Path(runs_dir or WORK / "runs" / demo.tag).glob(f"{kind}-*-seed*"))
     runs = [r for r in runs if (r / checkpoint / "head.safetensors").exists() and r.name.split("-")[1] in modes]
     if not runs:
         return {}, {}
     model = load_model(demo.model_dir)
     _, config, meta = load_head(runs[0] / checkpoint)
     limits = meta.get("limits", CONTEXTUAL_LIMITS if kind == "contextual" else None)
-    sets = load_sets(model, demo, data_dir, kind, config, limits=limits, progress=progress, log=None)
-    table = OptionTable(RouteTokenizer(demo.tokenizer), config.max_option_tokens) if kind == "mol2" else None
+    sets = load_sets(model, demo, data_dir, kind, config, splits or SPLITS + OPTIONAL_SPLITS, limits=limits,
+                     progress=progress, log=None)
+    table = OptionTable(RouteTokenizer(demo.tokenizer), config.max_option_tokens, route_prompt or ROUTE_PROMPT) \
+        if kind == "mol2" else None
     embedding = model.get_input_embeddings().weight.detach().float()
     out = {}
     for run in runs:
@@ -114,8 +123,9 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    splits = ["generic.test", "domain.bench"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    splits = ["generic.test", "domain.bench"] + (["domain.freeform"] if any(r["split"] == "domain.freeform"
+                                                                            for r in rows) else [])
+    fig, axes = plt.subplots(1, len(splits), figsize=(5 * len(splits), 4), sharey=True)
     for ax, split in zip(axes, splits):
         labels, values, errors = [], [], []
         for r in rows:
@@ -149,6 +159,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--artifacts", default="artifacts")
     parser.add_argument("--data", default="artifacts/router/data")
+    parser.add_argument("--no-harness", action="store_true", help="skip the end-to-end engine harness (and MoL)")
+    parser.add_argument("--route-prompt", default=None, help="MoL2 option side with this route prompt")
+    parser.add_argument("--runs", default=None, help="runs folder (default: artifacts/router/runs/<demo>)")
+    parser.add_argument("--kinds", nargs="+", default=["mol2", "contextual"])
+    parser.add_argument("--splits", nargs="+", default=None, help="only these splits (default: all)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default="artifacts/benchmarks/router_accuracy.png")
     args = parser.parse_args(argv)
@@ -161,21 +176,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     demo = resolve_demo(args.artifacts)
     rows, details = [], []
-    for kind in ("mol2", "contextual"):
-        predictions, _ = head_predictions(demo, args.data, kind, args.checkpoint, args.modes)
+    for kind in args.kinds:
+        predictions, _ = head_predictions(demo, args.data, kind, args.checkpoint, args.modes,
+                                          route_prompt=args.route_prompt if kind == "mol2" else None,
+                                          runs_dir=args.runs, splits=args.splits)
         if not predictions:
             print(f"no trained {kind} heads under artifacts/router/runs/{demo.tag}: run `mol2 router train --kind {kind}`")
             continue
         rows += accuracy_rows(kind, predictions, args.checkpoint)
         b = [v for (mode, seed), v in sorted(predictions.items()) if mode == "B"]
-        if b:
+        if b and "domain.bench" in b[0]:
             details += [{"table": "per class, domain.bench, mode B seed %d" % 0, **r}
                         for r in breakdown(kind, b[0]["domain.bench"], lambda q: q.label)]
+        if b:
+            if "domain.freeform" in b[0]:
+                details += [{"table": "per class, domain.freeform, mode B seed 0", **r}
+                            for r in breakdown(kind, b[0]["domain.freeform"], lambda q: q.label)]
             if "generic.test" in b[0]:
                 details += [{"table": "per source, generic.test, mode B seed 0", **r}
                             for r in breakdown(kind, b[0]["generic.test"], lambda q: q.source)]
     bench = stratified(read_questions(Path(args.data) / "domain.bench.jsonl"), args.harness_per_class)
-    harnessed, reasons = harness(demo, bench, args.mol_tokens, args.checkpoint)
+    harnessed, reasons = ({}, []) if args.no_harness else harness(demo, bench, args.mol_tokens, args.checkpoint)
     split = f"domain.bench[harness {len(bench)}]"
     for name, pairs in harnessed.items():
         rows.append({"router": name, "mode": "B" if name != "mol" else "-", "checkpoint": args.checkpoint if name != "mol"
@@ -183,12 +204,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                      "std": 0.0, "seeds": 1, "n": len(pairs)})
         details += [{"table": f"per class, {split}", **r} for r in breakdown(name, pairs, lambda q: q.label)]
     print(f"\nbackbone: {demo.model_dir} ({'trained' if demo.trained else 'untrained, seeded random weights'}); "
-          f"checkpoint: {args.checkpoint}; MoL: random_l0, up to {args.mol_tokens} tokens")
+          f"checkpoint: {args.checkpoint}; MoL: random_l0, up to {args.mol_tokens} tokens"
+          + (f"; MoL2 route prompt: {args.route_prompt!r}" if args.route_prompt else ""))
     print(markdown_table(rows, COLUMNS))
     for table in dict.fromkeys(d["table"] for d in details):
         print(f"\n{table}")
         print(markdown_table([d for d in details if d["table"] == table], ["router", "group", "n", "accuracy"]))
-    print("\nMoL's first decoded texts:", json.dumps(reasons)[:600])
+    if reasons:
+        print("\nMoL's first decoded texts:", json.dumps(reasons)[:600])
     write_json(rows + [{"router": d["router"], "mode": "detail", "split": d["table"], "group": d["group"],
                         "accuracy": d["accuracy"], "n": d["n"]} for d in details], args.json)
     if args.plot:

@@ -7,6 +7,7 @@ Generic data (every question has its own candidate set of 2..77 options, so fixe
 - `man-section`: a man page's one-line summary -> its manual section (section texts from man(1)).
 Domain data: queries for the four demo adapters (chat, agent, coding, design) from the corpus, with the
 adapters' own descriptions; the corpus train split feeds domain train/dev, its valid split the held-out benchmark.
+`domain.freeform` adds hand-written requests that follow no training template (`freeform.py`; test only).
 """
 
 from __future__ import annotations
@@ -383,6 +384,17 @@ def domain_questions(corpus: str | Path, candidates: tuple[Candidate, ...], trai
     return out
 
 
+def write_freeform(out: str | Path, adapters_dir: str | Path | None = None) -> int:
+    """Write domain.freeform.jsonl under `out`, over the same candidates as the folder's domain.train.jsonl
+    (else the demo adapters'); returns the count."""
+    from .data import read_questions
+    from .freeform import freeform_questions
+
+    train = Path(out) / "domain.train.jsonl"
+    candidates = read_questions(train)[0].candidates if train.exists() else adapter_candidates(adapters_dir)
+    return write_questions(Path(out) / "domain.freeform.jsonl", freeform_questions(candidates))
+
+
 # -- everything -----------------------------------------------------------------------------------------------
 
 def build_all(out: str | Path, corpus: str | Path = "artifacts/corpus", apt_lists: str | Path = "artifacts/apt/lists",
@@ -413,6 +425,7 @@ def build_all(out: str | Path, corpus: str | Path = "artifacts/corpus", apt_list
     domain = domain_questions(corpus, adapter_candidates(adapters_dir), train_per_class, bench_per_class, seed=seed)
     for name, rows in domain.items():
         counts[name] = write_questions(out / f"{name}.jsonl", rows)
+    counts["domain.freeform"] = write_freeform(out, adapters_dir)
     (out / "manifest.json").write_text(json.dumps({"counts": counts, "sources": sorted({q.source for q in generic})},
                                                   indent=2) + "\n")
     return counts

@@ -1,6 +1,6 @@
 """`mol2 router ...`: build routing data, extract H19, train heads, evaluate them, benchmark the routers.
 
-    mol2 router data     [--out DIR]                         generic + domain routing questions (JSONL)
+    mol2 router data     [--out DIR] [--freeform-only]       generic + domain routing questions (JSONL)
     mol2 router extract  [--kind mol2|contextual|both]       H19 features, cached in shards (resumable)
     mol2 router train    [--kind K] [--modes A B C] [--seeds 0 1 2] [--epochs N]
     mol2 router eval     [--kind K] [--mode B] [--seed 0] [--checkpoint best|last] [--data FILE.jsonl]
@@ -29,7 +29,11 @@ def _demo(args):
 
 
 def cmd_data(args) -> None:
-    from .builders import build_all
+    from .builders import build_all, write_freeform
+
+    if args.freeform_only:
+        print(f"{'domain.freeform':<14} {write_freeform(args.out):>6}")
+        return
 
     counts = build_all(args.out, corpus=args.corpus, apt_lists=args.apt_lists, generic_total=args.generic_total,
                        train_per_class=args.train_per_class, bench_per_class=args.bench_per_class)
@@ -157,6 +161,8 @@ def add_router_commands(commands) -> None:
     q.add_argument("--generic-total", type=int, default=6000)
     q.add_argument("--train-per-class", type=int, default=300)
     q.add_argument("--bench-per-class", type=int, default=100)
+    q.add_argument("--freeform-only", action="store_true",
+                   help="only (re)write domain.freeform.jsonl, the hand-written held-out requests, into --out")
     q.add_argument("--threads", type=int, default=1)
     q.set_defaults(run=cmd_data)
 
@@ -171,7 +177,7 @@ def add_router_commands(commands) -> None:
     q.add_argument("--kind", choices=("mol2", "contextual"), default="mol2")
     q.add_argument("--modes", nargs="+", default=["A", "B", "C"], choices=("A", "B", "C"))
     q.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    q.add_argument("--epochs", type=int, default=12, help="per stage (default: %(default)s)")
+    q.add_argument("--epochs", type=int, default=30, help="per stage (default: %(default)s, the seed's)")
     q.add_argument("--batch-size", type=int, default=256)
     q.add_argument("--limit", nargs="*", metavar="SPLIT=N", help="questions kept per split (added to the defaults)")
     q.set_defaults(run=cmd_train)

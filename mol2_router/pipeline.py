@@ -19,10 +19,12 @@ from .config import RouterConfig
 from .data import Question, read_questions
 from .features import RouteTokenizer, cached_features
 from .head import PointerHead, QKHead
-from .train import OptionTable, RouteSet, Scorer, TrainConfig, accuracy, new_scorer, predict, train_head
+from .train import (OptionTable, RouteSet, Scorer, TrainConfig, TrainResult, accuracy, new_scorer, predict,
+                    train_head)
 
 WORK = Path("artifacts/router")
 SPLITS = ("generic.train", "generic.dev", "generic.test", "domain.train", "domain.dev", "domain.bench")
+OPTIONAL_SPLITS = ("domain.freeform",)  # test-only splits, used when their file exists (`mol2 router data`)
 CONTEXTUAL_LIMITS = {"generic.train": 600, "generic.dev": 150, "generic.test": 300}  # its extraction is ~10x dearer
 
 
@@ -96,11 +98,14 @@ def evenly(questions: list[Question], n: int | None) -> list[int]:
 
 
 def load_sets(model, demo: Demo, data_dir: str | Path, kind: str, config: RouterConfig,
-              splits=SPLITS, limits: dict[str, int] | None = None, progress: bool = True, log=print) -> dict[str, RouteSet]:
+              splits=SPLITS + OPTIONAL_SPLITS, limits: dict[str, int] | None = None, progress: bool = True,
+              log=print) -> dict[str, RouteSet]:
     tok = RouteTokenizer(demo.tokenizer)
     cache = WORK / "features" / demo.tag
     sets = {}
     for split in splits:
+        if split in OPTIONAL_SPLITS and not (Path(data_dir) / f"{split}.jsonl").exists():
+            continue
         questions = read_questions(Path(data_dir) / f"{split}.jsonl")
         keep = evenly(questions, (limits or {}).get(split))
         questions = [questions[i] for i in keep]
@@ -139,8 +144,14 @@ def default_limits(kind: str, limits: dict[str, int] | None = None) -> dict[str,
 
 
 def train_runs(demo: Demo, data_dir: str | Path, kind: str, modes, seeds, epochs: int, preset: str = "demo",
-               batch_size: int = 256, progress: bool = True, log=print, limits: dict[str, int] | None = None) -> list[dict]:
-    """Train every (mode, seed); save last and dev-selected heads; return one summary row per run."""
+               batch_size: int = 256, progress: bool = True, log=print, limits: dict[str, int] | None = None,
+               share_stages: bool = True) -> list[dict]:
+    """Train every (mode, seed); save last and dev-selected heads; return one summary row per run.
+
+    With `share_stages`, mode C runs before mode A and A is taken from C's first stage (the same training, bitwise),
+    which saves a third of a full A/B/C sweep."""
+    if share_stages and "A" in modes and "C" in modes:
+        modes = ["C"] + [m for m in modes if m != "C"]
     config = RouterConfig.from_name(preset, dropout=0.1)
     model = load_model(demo.model_dir)
     limits = default_limits(kind, limits)
@@ -149,13 +160,19 @@ def train_runs(demo: Demo, data_dir: str | Path, kind: str, modes, seeds, epochs
     table = OptionTable(tok, config.max_option_tokens) if kind == "mol2" else None
     rows = []
     for seed in seeds:  # seed-major: an interrupted sweep still has every mode at its first seeds
+        done: dict[str, TrainResult] = {}
         for mode in modes:
-            scorer = new_scorer(kind, config, model.model.embed_tokens.weight, seed)
-            started = time.time()
-            result = train_head(scorer, sets["generic.train"], sets["domain.train"],
-                                [sets["generic.dev"], sets["domain.dev"]],
-                                TrainConfig(mode=mode, epochs=epochs, seed=seed, batch_size=batch_size), table,
-                                progress=progress, log=log)
+            if mode in done:  # mode A, already trained as mode C's first stage
+                result, started = done[mode], time.time()
+            else:
+                scorer = new_scorer(kind, config, model.model.embed_tokens.weight, seed)
+                started = time.time()
+                result = train_head(scorer, sets["generic.train"], sets["domain.train"],
+                                    [sets["generic.dev"], sets["domain.dev"]],
+                                    TrainConfig(mode=mode, epochs=epochs, seed=seed, batch_size=batch_size), table,
+                                    progress=progress, log=log)
+                if mode == "C" and share_stages:
+                    done["A"] = result.stages[0]
             folder = run_dir(demo, kind, mode, seed)
             meta = {"mode": mode, "seed": seed, "epochs": epochs, "model_dir": str(demo.model_dir),
                     "tokenizer": str(demo.tokenizer), "trained_backbone": demo.trained, "limits": limits}
@@ -164,8 +181,9 @@ def train_runs(demo: Demo, data_dir: str | Path, kind: str, modes, seeds, epochs
             (folder / "history.json").write_text(json.dumps(result.history, indent=1) + "\n")
             row = {"kind": kind, "mode": mode, "seed": seed, "best_epoch": result.best_epoch,
                    "train_s": round(time.time() - started, 1)}
+            embedding = model.model.embed_tokens.weight.detach().float() if kind == "mol2" else None
             for ckpt, head in (("last", result.last), ("best", result.best)):
-                s = Scorer(head, scorer.embedding)
+                s = Scorer(head, embedding)
                 for split, rs in sets.items():
                     row[f"{ckpt}:{split}"] = accuracy(s, rs, table)
             log(json.dumps(row))
@@ -173,12 +191,12 @@ def train_runs(demo: Demo, data_dir: str | Path, kind: str, modes, seeds, epochs
     return rows
 
 
-def evaluate_run(demo: Demo, data_dir: str | Path, kind: str, folder: str | Path, splits=SPLITS,
+def evaluate_run(demo: Demo, data_dir: str | Path, kind: str, folder: str | Path, splits=SPLITS + OPTIONAL_SPLITS,
                  progress: bool = False) -> list[dict]:
     """Per-question predictions of one saved head: [{split, source, label, predicted, correct}]."""
     head, config, meta = load_head(folder)
     model = load_model(demo.model_dir)
-    limits = meta.get("limits", default_limits(kind)) if splits == SPLITS else None
+    limits = meta.get("limits", default_limits(kind)) if set(splits) <= set(SPLITS + OPTIONAL_SPLITS) else None
     sets = load_sets(model, demo, data_dir, kind, config, splits, limits, progress=progress, log=None)
     table = OptionTable(RouteTokenizer(demo.tokenizer), config.max_option_tokens) if kind == "mol2" else None
     scorer = Scorer(head, model.model.embed_tokens.weight.detach().float() if kind == "mol2" else None)

@@ -6,7 +6,8 @@
 
 The option side (route prompt + each adapter's description through the token embedding, then the head's option
 layers) is computed once per adapter set by `set_options` and cached; `decide` runs only the query projection,
-the cross-attention and the pointer.
+the cross-attention and the pointer. The route prompt is the adapter set's own when serving gives one
+(`score_adapter_set`), else the one the head was trained with (`route_prompt`, saved in config.json).
 """
 
 from __future__ import annotations
@@ -41,31 +42,43 @@ class Decision:
 
 
 class MoL2Router:
+    max_cached_sets = 8  # option caches kept, one per (route prompt, candidates); the oldest is dropped first
+
     def __init__(self, head: PointerHead, embedding: Tensor, tokenizer: RouteTokenizer,
                  candidates: Sequence[Candidate] = (), route_prompt: str = ROUTE_PROMPT):
         self.head = head.eval()
         self.config: RouterConfig = head.config
         self.embedding = embedding.detach().float()  # (V, C): the backbone's token embedding, frozen
-        self.tokenizer, self.route_prompt = tokenizer, route_prompt
+        self.tokenizer = tokenizer
+        self.route_prompt = route_prompt  # the prompt the head was trained with: the default, and what save() records
+        self.prompt = route_prompt  # the prompt of the current option cache
         self.candidates: tuple[Candidate, ...] = ()
         self.cache: OptionCache | None = None
+        self._caches: dict[tuple[str, tuple[Candidate, ...]], OptionCache] = {}
         if candidates:
             self.set_options(candidates)
 
     @torch.inference_mode()
-    def set_options(self, candidates: Sequence[Candidate]) -> OptionCache:
-        """Compute and cache the option side for this adapter set (startup, or when the registry changes)."""
-        candidates = tuple(candidates)
+    def set_options(self, candidates: Sequence[Candidate], route_prompt: str | None = None) -> OptionCache:
+        """Make this adapter set current: its option side (route prompt + "name: description" of each candidate),
+        computed on first use and cached per (route prompt, candidates). `route_prompt` defaults to the trained one."""
+        candidates, prompt = tuple(candidates), self.route_prompt if route_prompt is None else route_prompt
         if not candidates:
             raise ValueError("no candidates: the router needs at least one adapter to choose from")
-        ids = [option_tokens(self.tokenizer, c.option_text(), self.config.max_option_tokens, f"option {c.name!r}",
-                             self.route_prompt) for c in candidates]
-        ids, lengths = pad_batch(ids)
-        mask = torch.arange(ids.shape[1])[None, :] < lengths[:, None]
-        self.candidates = candidates
-        self.cache = self.head.encode_options(nn.functional.embedding(ids, self.embedding), mask,
-                                              tuple(c.name for c in candidates))
-        return self.cache
+        key = (prompt, candidates)
+        cache = self._caches.pop(key, None)
+        if cache is None:
+            ids = [option_tokens(self.tokenizer, c.option_text(), self.config.max_option_tokens, f"option {c.name!r}",
+                                 prompt) for c in candidates]
+            ids, lengths = pad_batch(ids)
+            mask = torch.arange(ids.shape[1])[None, :] < lengths[:, None]
+            cache = self.head.encode_options(nn.functional.embedding(ids, self.embedding), mask,
+                                             tuple(c.name for c in candidates))
+        self._caches[key] = cache  # most recently used last
+        while len(self._caches) > self.max_cached_sets:
+            self._caches.pop(next(iter(self._caches)))
+        self.candidates, self.prompt, self.cache = candidates, prompt, cache
+        return cache
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -108,12 +121,14 @@ class MoL2Router:
         return self.head.score(pooled.float().reshape(1, -1), self.cache)[0]
 
     def score_adapter_set(self, h19_pooled: Tensor, adapter_set) -> dict[str, float]:
-        """Serving's hook (python_backend.routing): pooled H19 (C,) and the served adapter set (entries with
-        .name and .description) -> one score per adapter. The option cache is rebuilt only when the set changes.
-        The head keeps the route prompt it was trained with."""
+        """Serving's hook (python_backend.routing): pooled H19 (C,) and the served adapter set (.route_prompt and
+        entries with .name and .description) -> one score per adapter. The option side reads the set's route prompt
+        (the trained one when the set has none) and is computed once per set: a request on a set seen before
+        only looks its cache up."""
         candidates = tuple(Candidate(a.name, a.description) for a in adapter_set.adapters)
-        if candidates != self.candidates:
-            self.set_options(candidates)
+        prompt = getattr(adapter_set, "route_prompt", None) or self.route_prompt
+        if candidates != self.candidates or prompt != self.prompt:
+            self.set_options(candidates, prompt)
         return dict(zip(self.names, self.score_pooled(h19_pooled).tolist()))
 
     # -- on disk -------------------------------------------------------------------------------------------

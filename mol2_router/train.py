@@ -1,8 +1,10 @@
 """Head training on cached H19 features: the seed's recipe modes, seeds, last and dev-selected checkpoints.
 
 Modes (seed, "Training-data recipe"): A = generic data only; B = generic and domain data mixed (the default);
-C = as A, then domain data only, each stage the same number of epochs. The dev-selected checkpoint maximizes the
-mean accuracy over the dev sets given (generic.dev and domain.dev by default).
+C = as A, then domain data only. As in the seed, every stage runs the same number of epochs (30) and the last
+checkpoint is the one reported; the dev-selected checkpoint maximizes the mean accuracy over the dev sets given
+(generic.dev and domain.dev by default). Mode C's first stage is exactly mode A under the same seed, so one C run
+also yields the A run (`TrainResult.stages[0]`, bitwise what a separate A run gives).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from tqdm import tqdm
 
 from .config import RouterConfig
 from .data import Question
-from .features import Features, RouteTokenizer, option_tokens, pad_batch
+from .features import ROUTE_PROMPT, Features, RouteTokenizer, option_tokens, pad_batch
 from .head import PointerHead, QKHead
 
 MODES = ("A", "B", "C")
@@ -51,8 +53,8 @@ class RouteSet:
 class OptionTable:
     """Every distinct option text of the data, tokenized once (route prompt + "name: description")."""
 
-    def __init__(self, tokenizer: RouteTokenizer, max_option_tokens: int):
-        self.tokenizer, self.max_option_tokens = tokenizer, max_option_tokens
+    def __init__(self, tokenizer: RouteTokenizer, max_option_tokens: int, route_prompt: str = ROUTE_PROMPT):
+        self.tokenizer, self.max_option_tokens, self.route_prompt = tokenizer, max_option_tokens, route_prompt
         self.index: dict[str, int] = {}
         self.ids: list[list[int]] = []
 
@@ -62,7 +64,8 @@ class OptionTable:
             text = c.option_text()
             if text not in self.index:
                 self.index[text] = len(self.ids)
-                self.ids.append(option_tokens(self.tokenizer, text, self.max_option_tokens, question.where))
+                self.ids.append(option_tokens(self.tokenizer, text, self.max_option_tokens, question.where,
+                                              self.route_prompt))
             out.append(self.index[text])
         return out
 
@@ -169,7 +172,7 @@ def accuracy(scorer: Scorer, rs: RouteSet, table: OptionTable | None) -> float:
 @dataclass
 class TrainConfig:
     mode: str = "B"
-    epochs: int = 15  # per stage
+    epochs: int = 30  # per stage (the seed's 30)
     batch_size: int = 256  # questions of one source per batch
     lr: float = 2e-3
     weight_decay: float = 0.01
@@ -188,6 +191,7 @@ class TrainResult:
     best: nn.Module
     best_epoch: int
     history: list[dict] = field(default_factory=list)
+    stages: list["TrainResult"] = field(default_factory=list)  # per stage: its last, its dev-best, its epochs
 
 
 def stages(mode: str, generic: RouteSet, domain: RouteSet) -> list[list[tuple[RouteSet, int]]]:
@@ -215,12 +219,13 @@ def train_head(scorer: Scorer, generic: RouteSet, domain: RouteSet, dev: list[Ro
     total = sum(steps_per_stage)
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=config.lr,
                                   weight_decay=config.weight_decay)
-    history, best, best_score, best_epoch, epoch_no = [], None, -1.0, -1, 0
+    history, best, epoch_no, stage_results = [], _Best(), 0, []
     bar = tqdm(total=total, desc=f"train {config.mode} seed {config.seed}", disable=not progress, leave=False)
     for stage, items in enumerate(plan):  # each stage has its own warmup + cosine schedule (mode C continues)
         n = steps_per_stage[stage]
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s, n=n: min(1.0, (s + 1) / config.warmup_steps)
                                                      * 0.5 * (1 + math.cos(math.pi * min(s, n) / n)))
+        stage_best, stage_rows = _Best(), []
         for _ in range(config.epochs):
             head.train()
             losses = []
@@ -240,15 +245,32 @@ def train_head(scorer: Scorer, generic: RouteSet, domain: RouteSet, dev: list[Ro
             for rs in dev:
                 row[f"acc_{rs.name}"] = accuracy(scorer, rs, table)
             score = sum(row[f"acc_{rs.name}"] for rs in dev) / max(1, len(dev))
-            if score > best_score:
-                best, best_score, best_epoch = copy.deepcopy(head.state_dict()), score, epoch_no
+            best.offer(score, epoch_no, head)
+            stage_best.offer(score, epoch_no, head)
             history.append(row)
+            stage_rows.append(row)
             bar.set_postfix(loss=f"{row['loss']:.3f}", dev=f"{score:.3f}")
+        stage_results.append(TrainResult(copy.deepcopy(head).eval(), stage_best.module(head), stage_best.epoch,
+                                         stage_rows))
     bar.close()
-    best_head = copy.deepcopy(head)
-    if best is not None:
-        best_head.load_state_dict(best)
-    return TrainResult(head.eval(), best_head.eval(), best_epoch, history)
+    return TrainResult(head.eval(), best.module(head), best.epoch, history, stage_results)
+
+
+class _Best:
+    """The dev-best weights seen so far (ties keep the earlier epoch)."""
+
+    def __init__(self):
+        self.score, self.epoch, self.state = -1.0, -1, None
+
+    def offer(self, score: float, epoch: int, head: nn.Module) -> None:
+        if score > self.score:
+            self.score, self.epoch, self.state = score, epoch, copy.deepcopy(head.state_dict())
+
+    def module(self, head: nn.Module) -> nn.Module:
+        out = copy.deepcopy(head)
+        if self.state is not None:
+            out.load_state_dict(self.state)
+        return out.eval()
 
 
 def new_scorer(kind: str, config: RouterConfig, embedding: Tensor | None, seed: int = 0) -> Scorer:

@@ -72,3 +72,24 @@ def test_modes_visit_the_right_data(toy_sets):
     assert [len(s) for s in a] == [len(g)]
     assert [len(s) for s in b] == [len(g) + len(d)]
     assert [len(s) for s in c] == [len(g), len(d)] and all(rs is d for rs, _ in c[1])
+
+
+def test_mode_c_first_stage_is_mode_a_bitwise(toy_sets):
+    """One C run also yields the A run: its first stage's last and dev-best heads equal a separate A run's."""
+    model, tok, sets = toy_sets
+    config = RouterConfig.from_name("tiny", dropout=0.1)  # dropout on: the random stream must line up too
+    table = OptionTable(tok, config.max_option_tokens)
+    dev = [sets["mol2", "test"]]
+    results = {}
+    for mode in ("A", "C"):
+        scorer = new_scorer("mol2", config, model.get_input_embeddings().weight, seed=3)
+        results[mode] = train_head(scorer, sets["mol2", "generic.train"], sets["mol2", "domain.train"], dev,
+                                   TrainConfig(mode=mode, epochs=3, batch_size=32, seed=3, warmup_steps=2), table,
+                                   progress=False)
+    a, first = results["A"], results["C"].stages[0]
+    assert len(results["C"].stages) == 2 and len(a.stages) == 1
+    assert first.best_epoch == a.best_epoch and first.history == a.history
+    for mine, theirs in ((first.last, a.last), (first.best, a.best)):
+        for key, value in theirs.state_dict().items():
+            assert torch.equal(mine.state_dict()[key], value), key
+    assert results["C"].history[:3] == a.history and len(results["C"].history) == 6
