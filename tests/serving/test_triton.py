@@ -106,6 +106,28 @@ def test_bad_requests_get_clear_errors(server, fields, message):
     assert "error" not in generate(server, text_input="still serving?", adapter="chat", max_tokens=2)
 
 
+@pytest.mark.parametrize("name, values, kind, message", [
+    ("max_tokens", np.array([4.0], dtype=np.float32), "FP32", "expects 'INT32'"),
+    ("text_input", np.array([b"one", b"two"], dtype=object), "BYTES", "unexpected shape for input 'text_input'"),
+])
+def test_wrong_dtype_or_shape_over_grpc(server, name, values, kind, message):
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    fields = {"text_input": (np.array([b"hi"], dtype=object), "BYTES"), "adapter": (np.array([b"chat"], dtype=object),
+                                                                                      "BYTES"), name: (values, kind)}
+    inputs = []
+    for field, (array, datatype) in fields.items():
+        tensor = grpcclient.InferInput(field, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    client.async_stream_infer("mol2", inputs)
+    result, error = responses.get(timeout=120)
+    client.stop_stream()
+    assert error is not None and message in str(error), (result, error)
+    assert "error" not in generate(server, text_input="still serving?", adapter="chat", max_tokens=2)
+
+
 def test_malformed_json(server):
     answer = post(server, "/v2/models/mol2/generate", b"{not json")
     assert "failed to parse the request JSON" in answer["error"]
