@@ -1,0 +1,78 @@
+"""The disaggregated relay's bookkeeping without a server: the state that comes back is committed and the turn
+lock released; a failed or truncated remote decode releases the lock and writes nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from python_backend.front import Relay
+from python_backend.stages import RequestError
+from python_backend.store import ConversationStore
+from python_backend.transfer import encode_state
+
+
+class Result:
+    """What tritonclient hands back for one streamed response."""
+
+    def __init__(self, **outputs):
+        self.outputs = outputs
+
+    def as_numpy(self, name):
+        return self.outputs.get(name)
+
+
+def text(value: str) -> np.ndarray:
+    return np.array([value.encode()], dtype=object)
+
+
+@pytest.fixture()
+def relay_parts(engine, tmp_path):
+    store = ConversationStore(tmp_path, engine.config)
+    state = engine.new_conversation()
+    engine.turn(state, list(range(12)), "A1")
+
+    def call(model, inputs, outputs):
+        if model == "tokenize":
+            return {"_text_ids": np.arange(3)}
+        if model == "prefill":
+            store.begin_turn("c1")  # as the prefill model does
+            return {"_h19": np.zeros(4, np.float32), "_state": np.zeros(1, np.uint8),
+                    "_transfer_meta": np.array([12, 0]), "_conversation_id": text("c1")}
+        if model == "router":
+            return {"_routed_meta": np.array([12, 0]), "_route_scores": text("{}"), "_route_adapter": text("base")}
+        assert model == "detokenize"
+        return {"text_output": text("x" * int(inputs["_fresh"][0]))}
+
+    answer = dict(_ids=np.array([5]), _fresh=np.array([1], np.int32), _last=np.array([False]),
+                  applied_adapter=text("base"), replayed_tokens=np.array([12], np.int32),
+                  output_tokens=np.array([1], np.int32), route_scores=text("{}"), conversation_id_out=text("c1"))
+    final_state = np.frombuffer(encode_state(state, engine.config), np.uint8)
+    return store, call, answer, final_state
+
+
+def test_the_returned_state_is_committed_and_the_lock_released(relay_parts):
+    store, call, answer, final_state = relay_parts
+    sent = []
+    decode = lambda url, model, inputs: iter([Result(**answer), Result(**answer), Result(_state_out=final_state)])  # noqa
+    Relay(call, store, "router", "host:1", "decode", decode).run({"text_input": text("hi")},
+                                                                 lambda out, final: sent.append(final))
+    assert sent == [False, True]  # the FINAL flag rides the last answer
+    assert store.load("c1").length == 12 and not (store.root / "c1.lock").exists()
+
+
+@pytest.mark.parametrize("responses, message", [
+    ("error", "decode server host:1: boom"),
+    ("truncated", "ended the turn without its final state"),
+])
+def test_a_failed_remote_decode_releases_the_lock_and_writes_nothing(relay_parts, responses, message):
+    store, call, answer, _ = relay_parts
+
+    def decode(url, model, inputs):
+        yield Result(**answer)
+        if responses == "error":
+            raise RequestError("decode server host:1: boom")
+
+    with pytest.raises(RequestError, match=message):
+        Relay(call, store, "router", "host:1", "decode", decode).run({"text_input": text("hi")}, lambda *a: None)
+    assert not store.exists("c1") and not (store.root / "c1.lock").exists()
