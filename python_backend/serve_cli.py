@@ -83,7 +83,10 @@ def engine_settings(args: argparse.Namespace, model_dir: Path) -> dict[str, str]
     if args.engine == "tensorrt":
         from ced.trt_engine import require_tensorrt
 
-        require_tensorrt()  # a CPU machine hears what is missing now, not from every model's initialize
+        try:
+            require_tensorrt()  # a CPU machine hears what is missing now, not from every model's initialize
+        except RuntimeError as error:
+            raise SystemExit(f"mol2 serve: {error}") from None
         if not engine_dir:
             raise SystemExit("--engine tensorrt needs --engine-dir (python -m engine_build tensorrt ...)")
     return {"MOL2_ENGINE": args.engine, "MOL2_ENGINE_DIR": engine_dir or ""}
