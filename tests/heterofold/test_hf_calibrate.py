@@ -38,3 +38,28 @@ def test_fitted_map_shapes_and_end_to_end_eval(tiny_models, tokenizers, texts, t
     by = {row["method"]: row for row in rows}
     assert by["text_reprefill"]["next_token_kl"] < 1e-6 and by["text_reprefill"]["top1_agreement"] == 1.0
     assert all(row["next_token_kl"] >= -1e-9 and 0 <= row["top1_agreement"] <= 1 for row in rows)
+
+
+def test_query_span_scores_only_the_last_rows(tiny_models, tokenizers, texts):
+    """The calibration targets at the question span are the last rows of the full causal attention, and the
+    receiver's own K/V give zero loss there."""
+    import torch
+    from heterofold.calibrate import _Targets, k_loss, v_loss
+
+    R, s = tiny_models["qwen3"], _samples(tiny_models, tokenizers, texts)[0]
+    full, span = _Targets(R, 1, s, 0), _Targets(R, 1, s, 4)
+    T = full.p.shape[1]
+    assert span.p.shape[1:] == (4, T) and torch.allclose(span.p, full.p[:, T - 4:], atol=1e-6)
+    assert torch.allclose(span.o, full.o[:, T - 4:], atol=1e-5)
+    assert float(k_loss(R, 1, span, s.receiver.k[1])) < 1e-6
+    assert float(v_loss(R, span, s.receiver.v[1])) < 1e-10
+    assert _Targets(R, 1, s, T + 5).p.shape[1] == T          # a span longer than the prompt: every row
+
+
+def test_calibration_with_mapped_span_keys_lowers_held_out_loss(tiny_models, tokenizers, texts):
+    """The seed's setting (the question span's own K/V mapped too) also calibrates."""
+    samples = _samples(tiny_models, tokenizers, texts)
+    _, curves = fit(tiny_models["mistral"], tiny_models["qwen3"], samples[:10], samples[10:],
+                    FitConfig(epochs=4, span_keys="mapped", query_span=4), progress=False)
+    for key, curve in curves.items():
+        assert min(curve[1:]) < curve[0], key
