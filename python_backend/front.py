@@ -136,9 +136,9 @@ class Relay:
                 pending.update(self.call("detokenize", {name: result.as_numpy(name) for name in IDS}, ["text_output"]))
             if not committed:
                 raise RequestError(f"the decode server at {self.decode_url} ended the turn without its final state")
-            send(pending, True)
         finally:
             self.store.end_turn(conversation_id)
+        send(pending, True)  # only now: a client may send the next turn the moment it has this answer
 
 
 def _text(value: np.ndarray | None) -> str | None:

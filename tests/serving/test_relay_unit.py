@@ -55,9 +55,11 @@ def test_the_returned_state_is_committed_and_the_lock_released(relay_parts):
     store, call, answer, final_state = relay_parts
     sent = []
     decode = lambda url, model, inputs: iter([Result(**answer), Result(**answer), Result(_state_out=final_state)])  # noqa
-    Relay(call, store, "router", "host:1", "decode", decode).run({"text_input": text("hi")},
-                                                                 lambda out, final: sent.append(final))
-    assert sent == [False, True]  # the FINAL flag rides the last answer
+    Relay(call, store, "router", "host:1", "decode", decode).run(
+        {"text_input": text("hi")}, lambda out, final: sent.append((final, (store.root / "c1.lock").exists())))
+    # The FINAL flag rides the last answer, sent once the state is stored and the lock released: a client may
+    # send its next turn the moment it has the answer.
+    assert sent == [(False, True), (True, False)]
     assert store.load("c1").length == 12 and not (store.root / "c1.lock").exists()
 
 
