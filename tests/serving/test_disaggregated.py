@@ -5,13 +5,12 @@ Also the route-only model (a client's own routing decision): it answers over HTT
 from __future__ import annotations
 
 import json
-import urllib.request
 
 import pytest
 
 from python_backend.roles import build_prefill_repository, decode_models
 
-from test_triton import generate, metric_totals, post
+from test_triton import generate, metric_totals, post, stream_events
 
 TURNS = [("hello there", "chat"), ("route this one", None), ("write a loop", "coding"), ("and now?", "base"),
          ("route again", None)]
@@ -70,14 +69,13 @@ def test_disaggregated_keeps_state_on_the_prefill_server(disaggregated, served_d
     assert not (served_dir / "prefill-store" / f"{conversation_id}.state").exists()
 
 
-def test_disaggregated_streams_and_sets(disaggregated):
+def test_disaggregated_streams_and_sets(server, disaggregated):
     prefill, _ = disaggregated
-    request = urllib.request.Request(f"http://{prefill.http_url}/v2/models/mol2/generate_stream", method="POST",
-                                     data=json.dumps(dict(text_input="go", adapter="chat", max_tokens=4,
-                                                          stream=True)).encode())
-    with urllib.request.urlopen(request, timeout=120) as response:
-        events = [json.loads(line[5:]) for line in response.read().decode().splitlines() if line.startswith("data:")]
+    fields = dict(text_input="go", adapter="chat", max_tokens=4, end_conversation=True)
+    events = stream_events(prefill, **fields)
     assert events and all(event["applied_adapter"] == "chat" for event in events)
+    same = lambda events: [(e["text_output"], e["output_tokens"]) for e in events]  # noqa: E731
+    assert same(events) == same(stream_events(server, **fields))
     alt = post(prefill, "/v2/models/mol2_alt/generate", dict(text_input="hi", adapter="alt_coding", max_tokens=3))
     assert alt["applied_adapter"] == "alt_coding", alt
 

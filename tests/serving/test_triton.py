@@ -83,13 +83,18 @@ def test_grpc_streaming(server):
     assert received >= 1
 
 
-def test_generate_stream_sends_events(server):
-    request = urllib.request.Request(f"http://{server.http_url}/v2/models/mol2/generate_stream", method="POST",
-                                     data=json.dumps(dict(text_input="go", adapter="chat", max_tokens=4,
-                                                          stream=True)).encode())
+def stream_events(ports, model="mol2", **fields) -> list[dict]:
+    """The server-sent events of one generate_stream request."""
+    request = urllib.request.Request(f"http://{ports.http_url}/v2/models/{model}/generate_stream", method="POST",
+                                     data=json.dumps(dict(fields, stream=True)).encode())
     with urllib.request.urlopen(request, timeout=120) as response:
-        events = [json.loads(line[5:]) for line in response.read().decode().splitlines() if line.startswith("data:")]
+        return [json.loads(line[5:]) for line in response.read().decode().splitlines() if line.startswith("data:")]
+
+
+def test_generate_stream_sends_events(server):
+    events = stream_events(server, text_input="go", adapter="chat", max_tokens=4)
     assert events and all(event["applied_adapter"] == "chat" for event in events)
+    assert [event["output_tokens"] for event in events[:-1]] == list(range(1, len(events)))  # one event a token
 
 
 @pytest.mark.parametrize("fields, message", [
