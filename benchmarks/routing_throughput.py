@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import csv
 import queue
-import socket
 import statistics
 import subprocess
 import tempfile
@@ -47,12 +46,6 @@ PROMPTS = [
     "Make the header sticky with a soft shadow.", "Pick a calm colour palette for a reading app.",
     "Center the login form and round its corners.",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Client:
@@ -261,7 +254,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         from ced.engines import ensure_onnx_engine
 
         env["MOL2_ENGINE_DIR"] = str(ensure_onnx_engine(model_dir))
-    ports = Ports(free_port(), free_port(), free_port())
+    ports = Ports.free()
     with tempfile.TemporaryDirectory() as store:
         env["MOL2_STORE_DIR"] = store
         log = ROOT / "artifacts/logs/routing_throughput.log"

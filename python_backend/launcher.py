@@ -12,6 +12,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -39,6 +40,16 @@ class Ports:
     @property
     def grpc_url(self) -> str:
         return f"{self.host}:{self.grpc}"
+
+    @classmethod
+    def free(cls) -> "Ports":
+        """Three loopback ports nothing listens on now (tests and benchmarks run their own servers)."""
+        ports = []
+        for _ in range(3):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                ports.append(s.getsockname()[1])
+        return cls(*ports)
 
 
 def _wheel_root() -> Path:

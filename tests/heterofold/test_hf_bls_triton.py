@@ -2,7 +2,6 @@
 path gives the in-process path's tokens, from text or from client-sent KV blocks; blocks of the wrong dtype, shape
 or fingerprint are refused with a clear error and the server keeps serving."""
 import json
-import socket
 
 import numpy as np
 import pytest
@@ -17,15 +16,9 @@ TEXTS = ["grep searches the named input files for lines containing a match.",
          "Return a new sorted list from the items in iterable."]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def client(served_root):
-    ports = Ports(free_port(), free_port(), free_port())
+    ports = Ports.free()
     with running(REPOSITORY, ports, served_root / "triton", served_root / "tritonserver.log",
                  env={"HETEROFOLD_ROOT": str(served_root)}, timeout_s=120):
         client = httpclient.InferenceServerClient(ports.http_url, network_timeout=120)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 
 import pytest
 import torch
@@ -23,12 +22,6 @@ from python_backend.repo_build import build
 from python_backend.serving import ROOT
 
 ADAPTERS = {"chat": "small talk and jokes", "coding": "Python code"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -64,7 +57,7 @@ def start_server(served_dir):
         settings = {"MOL2_ENGINE": engine, "MOL2_MODEL_DIR": str(served_dir / "model"),
                     "MOL2_ADAPTER_SET": str(served_dir / "adapter_set.json"),
                     "MOL2_STORE_DIR": str(served_dir / store), "MOL2_ROUTER_DIR": str(served_dir / "router")}
-        ports = Ports(free_port(), free_port(), free_port())
+        ports = Ports.free()
         return running(repository, ports, served_dir / "triton", served_dir / log, env=settings,
                        extra_args=list(extra_args))
 
