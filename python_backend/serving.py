@@ -46,8 +46,7 @@ def write_demo_adapter_set(model_dir: Path) -> Path:
     entries = [{"name": name, "path": f"adapters/{name}", "description": (adapters / name / "description.txt").read_text()
                 .strip() if (adapters / name / "description.txt").is_file() else description}
                for name, description in ADAPTERS.items() if (adapters / name).is_dir()]
-    path.write_text(json.dumps({"route_prompt": "Choose the adapter best suited to the user's request.",
-                                "adapters": entries}, indent=2) + "\n")
+    path.write_text(json.dumps({"adapters": entries}, indent=2) + "\n")   # the router head's own route prompt
     return path
 
 

@@ -1,6 +1,6 @@
 """The served adapter set's route prompt reaches the option side: scores equal the reference head on embeddings of
-"<set prompt> name: description"; a set whose prompt is the trained one scores exactly as before; the option side is
-computed once per (prompt, candidates) and reused when sets alternate."""
+"<set prompt> name: description"; a set whose prompt is the trained one, or a set file without one, scores as the
+trained prompt does; the option side is computed once per (prompt, candidates) and reused when sets alternate."""
 
 from __future__ import annotations
 
@@ -64,17 +64,14 @@ def test_the_set_prompt_reaches_the_option_side(router, tmp_path):
     assert router.route_prompt == ROUTE_PROMPT  # the trained prompt is still what save() records
 
 
-def test_a_set_without_a_prompt_falls_back_to_the_trained_one(router):
-    class Entry:
-        def __init__(self, c):
-            self.name, self.description = c.name, c.description
-
-    class NoPrompt:
-        adapters = [Entry(c) for c in CANDIDATES]
-
+def test_a_set_file_without_a_prompt_falls_back_to_the_trained_one(router, tmp_path):
+    served_set = adapter_set(tmp_path, None)
+    assert served_set.route_prompt == ""
     pooled = torch.randn(router.config.hidden_size)
-    served = router.score_adapter_set(pooled, NoPrompt())
-    assert torch.equal(torch.tensor(list(served.values())), router.score_pooled(pooled))
+    router.score_adapter_set(pooled, adapter_set(tmp_path, "Another prompt:", name="other.json"))
+    served = router.score_adapter_set(pooled, served_set)
+    torch.testing.assert_close(torch.tensor(list(served.values())), reference(router, pooled, ROUTE_PROMPT),
+                               rtol=1e-5, atol=1e-5)
     assert router.prompt == ROUTE_PROMPT
 
 
