@@ -1,6 +1,7 @@
 """HeteroFold quality benchmark: every direction among the zoo's three families, every method, one table.
 
     python -m benchmarks.heterofold_eval [--quick] [--json PATH] [--plot PATH] [--directions llama:qwen3,...]
+                                         [--split heldout|selection]
 
 Columns: direction, method, next_token_kl, attention_kl, top1_agreement, mc_agreement, mc_accuracy, recon_f1
 (see heterofold/evaluate.py for the definitions). Fits every method from the same calibration samples.
@@ -15,9 +16,9 @@ from pathlib import Path
 import torch
 
 from heterofold.baselines import ALL_METHODS, COMPOSED, compose, fit_method
-from heterofold.evaluate import Direction, EvalConfig, evaluate, make_items
+from heterofold.evaluate import Direction, EvalConfig, evaluate, make_items, selection_items
 from heterofold import corpus
-from heterofold.pipeline import DIRECTIONS, N_HELD, N_TRAIN, collect_direction
+from heterofold.pipeline import DIRECTIONS, N_HELD, N_TRAIN, calibration_texts, collect_direction
 from heterofold.zoo import ROOT, load_zoo
 
 QUICK_METHODS = ["text_reprefill", "heterofold", "kv_ridge_ta", "dense_latent_ta", "abl_index_pairing"]
@@ -26,7 +27,7 @@ COLUMNS = ["direction", "method", "next_token_kl", "attention_kl", "top1_agreeme
 
 
 def markdown(rows: list[dict], cols=COLUMNS) -> str:
-    fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)
+    fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else "-" if v is None else str(v)
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
@@ -62,6 +63,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--n-train", type=int, default=None)
     p.add_argument("--n-held", type=int, default=None)
     p.add_argument("--n-docs", type=int, default=16, help="evaluation items per task (full run)")
+    p.add_argument("--split", choices=("heldout", "selection"), default="heldout",
+                   help="heldout: the held-out corpus (the reported numbers); selection: the calibration held-out "
+                        "prompts scored the same way (next-token and attention items only), for choosing settings")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -78,6 +82,8 @@ def main(argv=None) -> list[dict]:
     for s_name, r_name in dirs:
         t0 = time.time()
         s, r = zoo[s_name], zoo[r_name]
+        if args.split == "selection":
+            items = selection_items(calibration_texts(n_train, n_held)[1], r.tok)
         r.set_attn("eager")                       # attention weights for attention_kl
         train, held, _ = collect_direction(s, r, n_train, n_held)
         fitted = {"text_reprefill": None}

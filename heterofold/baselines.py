@@ -27,6 +27,7 @@ AFFINE_METHODS = {
     "abl_recolor_k_calib": FitConfig(calibrate_v=False),
     "abl_recolor_v_calib": FitConfig(calibrate_k=False),
     "abl_ridge_kv_calib": FitConfig(method="ridge"),
+    "abl_span_mapped": FitConfig(span_keys="mapped"),     # the seed's calibration setting (calibrate.py)
 }
 # ablations that equal a composition of two fits (K maps of the first, V maps of the second)
 COMPOSED = {"abl_recolor_k_calib": ("heterofold", "abl_recolor_only"),

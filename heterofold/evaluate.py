@@ -63,6 +63,18 @@ def make_items(docs: list[str], cfg: EvalConfig) -> dict:
     return {"lm": lm, "mc": mc, "recon": recon}
 
 
+def selection_items(prompts: list[str], tok, scored: int = 16) -> dict:
+    """The selection split: calibration held-out prompts scored like the evaluation (the context up to the prompt's
+    last `scored` receiver tokens is mapped; those tokens are teacher-forced). Next-token and attention items only."""
+    lm = []
+    for text in prompts:
+        ends = tok.encode(text)[1]
+        if len(ends) > 2 * scored:
+            cut = ends[-scored - 1]
+            lm.append((text[:cut], text[cut:]))
+    return {"lm": lm, "mc": [], "recon": []}
+
+
 def _kl_rows(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     lp, lq = torch.log_softmax(p_logits.double(), -1), torch.log_softmax(q_logits.double(), -1)
     return (lp.exp() * (lp - lq)).sum(-1)
@@ -155,10 +167,11 @@ def evaluate(direction: Direction, methods: dict, items: dict, progress: bool = 
             stats[name]["recon"].append(lcs_f1(rt.decode(gen).split("\n")[0], q))
     rows = []
     for name, st in stats.items():
-        rows.append({"method": name, "next_token_kl": np.mean(st["nt"]), "attention_kl": np.mean(st["att"]),
-                     "top1_agreement": np.mean(st["top1"]), "mc_agreement": np.mean(st["mc"]),
-                     "mc_accuracy": np.mean(st["mc_acc"]), "recon_f1": np.mean(st["recon"])})
-    return [{k: (float(v) if isinstance(v, (float, np.floating)) else v) for k, v in r.items()} for r in rows]
+        mean = lambda key: float(np.mean(st[key])) if st[key] else None      # None: the split has no such items
+        rows.append({"method": name, "next_token_kl": mean("nt"), "attention_kl": mean("att"),
+                     "top1_agreement": mean("top1"), "mc_agreement": mean("mc"), "mc_accuracy": mean("mc_acc"),
+                     "recon_f1": mean("recon")})
+    return rows
 
 
 def _mc_choice(R: Adapter, r_ids: list[int], opt_ids: list[list[int]], kv) -> int:

@@ -63,3 +63,15 @@ def test_calibration_with_mapped_span_keys_lowers_held_out_loss(tiny_models, tok
                     FitConfig(epochs=4, span_keys="mapped", query_span=4), progress=False)
     for key, curve in curves.items():
         assert min(curve[1:]) < curve[0], key
+
+
+def test_selection_items_score_the_last_receiver_tokens_of_each_prompt(tokenizers, texts):
+    from heterofold.evaluate import selection_items
+
+    tok = tokenizers["mistral"]
+    prompts = [" ".join(texts[i:i + 4]) for i in range(3)] + ["too short"]
+    items = selection_items(prompts, tok, scored=8)
+    assert items["mc"] == [] and items["recon"] == [] and len(items["lm"]) == 3
+    for (ctx, tail), prompt in zip(items["lm"], prompts):
+        assert ctx + tail == prompt
+        assert list(tok.encode(ctx)[1]) == list(tok.encode(prompt)[1][:-8])   # the context ends where the last 8 begin
