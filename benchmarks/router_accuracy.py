@@ -74,6 +74,15 @@ def accuracy_rows(router, predictions, checkpoint) -> list[dict]:
     return rows
 
 
+def bench_parts(splits: dict[str, list]) -> dict[str, list]:
+    """domain.bench cut by where its questions come from: the corpus (`domain:*`, train's sources and templates)
+    and the requests about each domain (`ask:*`, held-out items and phrasings), when it holds both."""
+    pairs = splits.get("domain.bench", [])
+    parts = {f"domain.bench[{name}]": [(q, p) for q, p in pairs if q.source.startswith(prefix)]
+             for name, prefix in (("corpus", "domain:"), ("asks", "ask:"))}
+    return {name: part for name, part in parts.items() if 0 < len(part) < len(pairs)}
+
+
 def breakdown(router, pairs, key) -> list[dict]:
     groups = defaultdict(list)
     for q, p in pairs:
@@ -183,6 +192,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if not predictions:
             print(f"no trained {kind} heads under artifacts/router/runs/{demo.tag}: run `mol2 router train --kind {kind}`")
             continue
+        for splits in predictions.values():
+            splits.update(bench_parts(splits))
         rows += accuracy_rows(kind, predictions, args.checkpoint)
         b = [v for (mode, seed), v in sorted(predictions.items()) if mode == "B"]
         if b and "domain.bench" in b[0]:

@@ -7,6 +7,8 @@ Generic data (every question has its own candidate set of 2..77 options, so fixe
 - `man-section`: a man page's one-line summary -> its manual section (section texts from man(1)).
 Domain data: queries for the four demo adapters (chat, agent, coding, design) from the corpus, with the
 adapters' own descriptions; the corpus train split feeds domain train/dev, its valid split the held-out benchmark.
+Beside them, requests about each domain made from offline text (`asks.py`, source `ask:<domain>`), with held-out
+items and phrasings in the benchmark.
 `domain.freeform` adds hand-written requests that follow no training template (`freeform.py`; test only).
 """
 
@@ -223,6 +225,36 @@ def debtags_questions(records: list[dict], vocabulary: dict[str, str], total: in
     return questions[:total]
 
 
+def debian_match_questions(records: list[dict], total: int) -> list[Question]:
+    """A package's long description -> that package, among packages of its section named by their one-line
+    descriptions: the options' descriptions carry the answer, so the head must read them. Packages that share a
+    long or a short description with another (-common, -doc siblings ...) are left out."""
+    seen_long, seen_short = defaultdict(int), defaultdict(int)
+    for rec in records:
+        seen_long[rec["long"]] += 1
+        seen_short[rec["short"].lower()] += 1
+    usable = [rec for rec in records if len(rec["long"]) >= 80 and rec["short"] and rec["section"]
+              and seen_long[rec["long"]] == 1 and seen_short[rec["short"].lower()] == 1]
+    by_section = defaultdict(list)
+    for rec in usable:
+        by_section[rec["section"]].append(rec)
+    out = []
+    for rec in sorted(usable, key=lambda r: unit_hash(r["name"], "debian-match"))[:total]:
+        qid = f"debian-match:{rec['name']}"
+        rng = random.Random(int(unit_hash(qid, "candidates") * 2 ** 32))
+        others = [r for r in by_section[rec["section"]] if r["name"] != rec["name"]]
+        if not others:
+            continue
+        k = rng.randint(MIN_CANDIDATES, min(MAX_CANDIDATES, len(others) + 1))
+        options = [rec] + rng.sample(others, k - 1)
+        rng.shuffle(options)
+        query = " ".join(rec["long"].split())
+        query = query[:400].rsplit(" ", 1)[0] if len(query) > 400 else query
+        out.append(Question(query, tuple(Candidate(r["name"], r["short"]) for r in options),
+                            rec["name"], "debian-match", qid))
+    return out
+
+
 def _fortunes(root: Path) -> Iterator[tuple[str, str, int]]:
     for path in sorted(root.iterdir()):
         if path.suffix or not path.is_file():
@@ -367,20 +399,31 @@ def adapter_candidates(adapters_dir: str | Path | None = None) -> tuple[Candidat
 
 
 def domain_questions(corpus: str | Path, candidates: tuple[Candidate, ...], train_per_class: int,
-                     bench_per_class: int, dev_fraction: float = 0.1, seed: int = 0) -> dict[str, list[Question]]:
+                     bench_per_class: int, dev_fraction: float = 0.1, seed: int = 0, asks: dict | None = None,
+                     asks_per_class: int = 0) -> dict[str, list[Question]]:
     """domain.train / domain.dev from the corpus train split; domain.bench from its valid split, minus any query
-    text that also occurs in train (held out)."""
+    text that also occurs in train (held out). With `asks` (`asks.ask_items`), each domain also gets up to
+    `asks_per_class` requests about it in train/dev and a third as many in the benchmark (source `ask:<domain>`),
+    from held-out items and phrasings."""
+    from .asks import ask_queries
+
     train = domain_queries(corpus, "train", int(train_per_class * (1 + dev_fraction)) + 1, seed)
     bench = domain_queries(corpus, "valid", 4 * bench_per_class, seed)
     seen = {text for items in train.values() for _, text in items}
+    ask_train = ask_queries(asks or {}, "train", int(asks_per_class * (1 + dev_fraction)) + 1, seed)
+    ask_bench = ask_queries(asks or {}, "bench", asks_per_class // 3, seed)
     out = {"domain.train": [], "domain.dev": [], "domain.bench": []}
     for domain in (c.name for c in candidates):
-        for qid, text in train.get(domain, []):
-            q = Question(text, candidates, domain, f"domain:{domain}", f"{domain}:{qid}")
+        for qid, text in train.get(domain, []) + (ask_train.get(domain, []) if asks_per_class else []):
+            source = f"ask:{domain}" if qid.startswith("ask:") else f"domain:{domain}"
+            q = Question(text, candidates, domain, source, f"{domain}:{qid}")
             out["domain.dev" if unit_hash(qid, "domain-dev") < dev_fraction else "domain.train"].append(q)
         held = [(qid, text) for qid, text in bench.get(domain, []) if text not in seen][:bench_per_class]
         out["domain.bench"] += [Question(text, candidates, domain, f"domain:{domain}", f"{domain}:{qid}")
                                 for qid, text in held]
+        if asks_per_class:
+            out["domain.bench"] += [Question(text, candidates, domain, f"ask:{domain}", f"{domain}:{qid}")
+                                    for qid, text in ask_bench.get(domain, [])]
     return out
 
 
@@ -400,10 +443,14 @@ def write_freeform(out: str | Path, adapters_dir: str | Path | None = None) -> i
 def build_all(out: str | Path, corpus: str | Path = "artifacts/corpus", apt_lists: str | Path = "artifacts/apt/lists",
               fortune_root: str | Path = "/usr/share/games/fortunes", man_root: str | Path = "/usr/share/man",
               adapters_dir: str | Path | None = None, generic_total: int = 6000, train_per_class: int = 300,
-              bench_per_class: int = 100, seed: int = 0, log=print) -> dict[str, int]:
+              bench_per_class: int = 100, asks_per_class: int = 150, shares: dict[str, float] | None = None,
+              seed: int = 0, log=print) -> dict[str, int]:
     """Write generic.{train,dev,test}.jsonl and domain.{train,dev,bench}.jsonl under `out`; returns counts."""
+    from .asks import ask_items
+
     out = Path(out)
-    share = {"debian-section": 0.3, "debtags": 0.35, "fortune": 0.2, "man-section": 0.15}
+    share = {"debian-section": 0.3, "debtags": 0.35, "fortune": 0.2, "man-section": 0.15, "debian-match": 0.0}
+    share = {**share, **(shares or {})}
     generic: list[Question] = []
     try:
         records = debian_records(apt_lists)
@@ -416,13 +463,16 @@ def build_all(out: str | Path, corpus: str | Path = "artifacts/corpus", apt_list
         if not vocabulary:
             log("debtags vocabulary not found: tag names stand in for descriptions")
         generic += debtags_questions(records, vocabulary, int(generic_total * share["debtags"]))
+        generic += debian_match_questions(records, int(generic_total * share["debian-match"]))
     generic += fortune_questions(fortune_root, int(generic_total * share["fortune"]))
     generic += man_questions(man_root, int(generic_total * share["man-section"]))
     counts = {}
     for split in ("train", "dev", "test"):
         rows = [q for q in generic if split_of(q.id) == split]
         counts[f"generic.{split}"] = write_questions(out / f"generic.{split}.jsonl", rows)
-    domain = domain_questions(corpus, adapter_candidates(adapters_dir), train_per_class, bench_per_class, seed=seed)
+    asks = ask_items(man_root, fortune_root=fortune_root, debian=records) if asks_per_class else None
+    domain = domain_questions(corpus, adapter_candidates(adapters_dir), train_per_class, bench_per_class, seed=seed,
+                              asks=asks, asks_per_class=asks_per_class)
     for name, rows in domain.items():
         counts[name] = write_questions(out / f"{name}.jsonl", rows)
     counts["domain.freeform"] = write_freeform(out, adapters_dir)

@@ -36,7 +36,8 @@ def cmd_data(args) -> None:
         return
 
     counts = build_all(args.out, corpus=args.corpus, apt_lists=args.apt_lists, generic_total=args.generic_total,
-                       train_per_class=args.train_per_class, bench_per_class=args.bench_per_class)
+                       train_per_class=args.train_per_class, bench_per_class=args.bench_per_class,
+                       asks_per_class=args.asks_per_class)
     for name, n in counts.items():
         print(f"{name:<14} {n:>6}")
 
@@ -161,6 +162,9 @@ def add_router_commands(commands) -> None:
     q.add_argument("--generic-total", type=int, default=6000)
     q.add_argument("--train-per-class", type=int, default=300)
     q.add_argument("--bench-per-class", type=int, default=100)
+    q.add_argument("--asks-per-class", type=int, default=150,
+                   help="requests about each domain made from offline text (mol2_router/asks.py) added to domain "
+                        "train/dev, a third as many to the benchmark; 0 for the corpus alone")
     q.add_argument("--freeform-only", action="store_true",
                    help="only (re)write domain.freeform.jsonl, the hand-written held-out requests, into --out")
     q.add_argument("--threads", type=int, default=1)

@@ -99,10 +99,12 @@ def freeform_questions(candidates: Sequence[Candidate]) -> list[Question]:
 
 
 def training_templates() -> list[str]:
-    """The format strings the domain training queries are made from (router builders and the demo corpus)."""
-    from . import builders
+    """The format strings the domain queries are made from (router builders, their requests about each domain
+    (the benchmark-only phrasings too) and the demo corpus)."""
+    from . import asks, builders
 
     templates = [*builders._CODE_ASKS, *builders._DOC_ASKS, *builders._DESIGN_ASKS]
+    templates += [p for phrasings in asks.PHRASINGS.values() for p in phrasings]
     try:
         from engine_build import corpus
     except ImportError:  # the corpus builder is optional here
