@@ -225,36 +225,6 @@ def debtags_questions(records: list[dict], vocabulary: dict[str, str], total: in
     return questions[:total]
 
 
-def debian_match_questions(records: list[dict], total: int) -> list[Question]:
-    """A package's long description -> that package, among packages of its section named by their one-line
-    descriptions: the options' descriptions carry the answer, so the head must read them. Packages that share a
-    long or a short description with another (-common, -doc siblings ...) are left out."""
-    seen_long, seen_short = defaultdict(int), defaultdict(int)
-    for rec in records:
-        seen_long[rec["long"]] += 1
-        seen_short[rec["short"].lower()] += 1
-    usable = [rec for rec in records if len(rec["long"]) >= 80 and rec["short"] and rec["section"]
-              and seen_long[rec["long"]] == 1 and seen_short[rec["short"].lower()] == 1]
-    by_section = defaultdict(list)
-    for rec in usable:
-        by_section[rec["section"]].append(rec)
-    out = []
-    for rec in sorted(usable, key=lambda r: unit_hash(r["name"], "debian-match"))[:total]:
-        qid = f"debian-match:{rec['name']}"
-        rng = random.Random(int(unit_hash(qid, "candidates") * 2 ** 32))
-        others = [r for r in by_section[rec["section"]] if r["name"] != rec["name"]]
-        if not others:
-            continue
-        k = rng.randint(MIN_CANDIDATES, min(MAX_CANDIDATES, len(others) + 1))
-        options = [rec] + rng.sample(others, k - 1)
-        rng.shuffle(options)
-        query = " ".join(rec["long"].split())
-        query = query[:400].rsplit(" ", 1)[0] if len(query) > 400 else query
-        out.append(Question(query, tuple(Candidate(r["name"], r["short"]) for r in options),
-                            rec["name"], "debian-match", qid))
-    return out
-
-
 def _fortunes(root: Path) -> Iterator[tuple[str, str, int]]:
     for path in sorted(root.iterdir()):
         if path.suffix or not path.is_file():
@@ -443,14 +413,12 @@ def write_freeform(out: str | Path, adapters_dir: str | Path | None = None) -> i
 def build_all(out: str | Path, corpus: str | Path = "artifacts/corpus", apt_lists: str | Path = "artifacts/apt/lists",
               fortune_root: str | Path = "/usr/share/games/fortunes", man_root: str | Path = "/usr/share/man",
               adapters_dir: str | Path | None = None, generic_total: int = 6000, train_per_class: int = 300,
-              bench_per_class: int = 100, asks_per_class: int = 150, shares: dict[str, float] | None = None,
-              seed: int = 0, log=print) -> dict[str, int]:
+              bench_per_class: int = 100, asks_per_class: int = 150, seed: int = 0, log=print) -> dict[str, int]:
     """Write generic.{train,dev,test}.jsonl and domain.{train,dev,bench}.jsonl under `out`; returns counts."""
     from .asks import ask_items
 
     out = Path(out)
-    share = {"debian-section": 0.3, "debtags": 0.35, "fortune": 0.2, "man-section": 0.15, "debian-match": 0.0}
-    share = {**share, **(shares or {})}
+    share = {"debian-section": 0.3, "debtags": 0.35, "fortune": 0.2, "man-section": 0.15}
     generic: list[Question] = []
     try:
         records = debian_records(apt_lists)
@@ -463,7 +431,6 @@ def build_all(out: str | Path, corpus: str | Path = "artifacts/corpus", apt_list
         if not vocabulary:
             log("debtags vocabulary not found: tag names stand in for descriptions")
         generic += debtags_questions(records, vocabulary, int(generic_total * share["debtags"]))
-        generic += debian_match_questions(records, int(generic_total * share["debian-match"]))
     generic += fortune_questions(fortune_root, int(generic_total * share["fortune"]))
     generic += man_questions(man_root, int(generic_total * share["man-section"]))
     counts = {}

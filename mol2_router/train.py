@@ -129,9 +129,15 @@ class Scorer:
         return self.head(batch.query, batch.options, batch.candidate_mask)
 
 
-def source_batches(items: list[tuple[RouteSet, int]], batch_size: int, rng: random.Random | None) -> list[list]:
+MAX_BATCH_OPTIONS = 512  # distinct options per batch: the cross-attention reads every token of every one
+
+
+def source_batches(items: list[tuple[RouteSet, int]], batch_size: int, rng: random.Random | None,
+                   max_options: int = MAX_BATCH_OPTIONS) -> list[list]:
     """Batches that each hold questions of one set and one source, so a batch's distinct options stay few (the
-    option side runs once per distinct option and step); shuffled within sources and across batches."""
+    option side runs once per distinct option and step); shuffled within sources and across batches. A batch
+    closes early when its distinct options would pass `max_options` (data whose every question brings options of
+    its own, e.g. matching a text to one of many named items, would otherwise build a batch of tens of thousands)."""
     by_source: dict[tuple[int, str], list] = {}
     for rs, i in items:
         by_source.setdefault((id(rs), rs.questions[i].source), []).append((rs, i))
@@ -147,10 +153,24 @@ def source_batches(items: list[tuple[RouteSet, int]], batch_size: int, rng: rand
         group = groups[key]
         if rng is not None:
             rng.shuffle(group)
-        batches += [group[s: s + batch_size] for s in range(0, len(group), batch_size)]
+        batches += _capped(group, batch_size, max_options)
     if rng is not None:
         rng.shuffle(batches)
     return batches
+
+
+def _capped(group: list[tuple[RouteSet, int]], batch_size: int, max_options: int) -> list[list]:
+    """Consecutive batches of at most `batch_size` questions and (unless one question alone has more) at most
+    `max_options` distinct options."""
+    batches, current, options = [], [], set()
+    for rs, i in group:
+        mine = set(rs.questions[i].candidates)
+        if current and (len(current) == batch_size or len(options | mine) > max_options):
+            batches.append(current)
+            current, options = [], set()
+        current.append((rs, i))
+        options |= mine
+    return batches + ([current] if current else [])
 
 
 @torch.no_grad()

@@ -93,3 +93,17 @@ def test_mode_c_first_stage_is_mode_a_bitwise(toy_sets):
         for key, value in theirs.state_dict().items():
             assert torch.equal(mine.state_dict()[key], value), key
     assert results["C"].history[:3] == a.history and len(results["C"].history) == 6
+
+
+def test_batches_close_before_too_many_distinct_options():
+    from mol2_router.train import source_batches
+
+    def own_options(i):  # every question brings three options nobody else has
+        return Question(f"q{i}", tuple(Candidate(f"item{i}-{j}", "x") for j in range(3)), f"item{i}-0", "match")
+
+    rs = RouteSet("generic.train", [own_options(i) for i in range(50)], features=None)
+    batches = source_batches([(rs, i) for i in range(50)], batch_size=16, rng=None, max_options=12)
+    assert [len(b) for b in batches] == [4] * 12 + [2]
+    assert sorted(i for b in batches for _, i in b) == list(range(50))
+    shared = RouteSet("generic.train", toy_questions(50, 0, "toy"), features=None)  # four options in all
+    assert [len(b) for b in source_batches([(shared, i) for i in range(50)], 16, None, max_options=12)] == [16, 16, 16, 2]
