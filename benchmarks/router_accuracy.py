@@ -6,9 +6,10 @@ decodes for every decision, so it runs through the engine on a class-stratified 
 on that same subset all three routers also run end to end through the engine (prefill the turn, then decide), which
 checks that the feature path and the serving path agree.
 
-Splits: generic train/dev/test, domain train/dev, `domain.bench` (held out, but from the same corpus sources and
-templates as domain train) and, when built, `domain.freeform` (hand-written requests that follow no training
-template; `mol2 router data --freeform-only`). `--route-prompt` scores the MoL2 heads with another route prompt on
+Splits: generic train/dev/test, domain train/dev, `domain.bench` (held out) with its two parts `domain.bench[corpus]`
+(the corpus sources and templates of domain train) and `domain.bench[asks]` (requests about each domain: held-out
+items, phrasings training never saw; `mol2_router/asks.py`) and, when built, `domain.freeform` (hand-written requests
+that follow no training template; `mol2 router data --freeform-only`). `--route-prompt` scores the MoL2 heads with another route prompt on
 the option side (what serving does with an adapter set whose prompt differs from the trained one).
 
     python -m benchmarks.router_accuracy [--quick] [--json PATH] [--plot PATH] [--checkpoint last|best]

@@ -1,10 +1,11 @@
 """A held-out domain split of free-form requests, written by hand: `domain.freeform`.
 
-The domain train/dev/bench questions come from the corpus through a handful of templates ("Fix the bug in this
-function:\\n{code}", "Which {cmd} option does this: ...", fortune cookies as chat), so the benchmark mostly measures
-how well the router recognizes those templates again. These requests are phrased the way a user would type them,
-none starts like a training template (`template_hits` checks; the tests hold every request to it), and none is used
-for training or checkpoint selection: it is a test split only, reported beside `domain.bench`.
+The domain train/dev/bench questions are made through templates: the corpus's ("Fix the bug in this
+function:\\n{code}", "Which {cmd} option does this: ...", fortune cookies as chat) and the phrasings of the requests
+about each domain (`asks.py`), so even their held-out parts follow a pattern someone wrote. These requests are
+phrased the way a user would type them, none starts like a training template (`template_hits` checks; the tests
+hold every request to it), and none is used for training or checkpoint selection: it is a test split only,
+reported beside `domain.bench`.
 """
 
 from __future__ import annotations
