@@ -2,8 +2,10 @@
 
 Option side (query-independent, computed once per adapter set): token embeddings of "route prompt + description"
 -> projection + positions -> residual MLP blocks -> self-attention within each option -> norm. The cache keeps the
-option tokens' cross-attention K/V and each option's pointer key. Query side (per decision): norm + projection of
-H19 pooled over the user turn, one cross-attention over the candidates' tokens, then q.k against the pointer keys.
+option tokens' cross-attention K/V and each option's pointer key, and the same folded with the query side's
+cross-attention query/output and pointer projections (a decision over the whole set is then three matmuls around
+the norms and the MLP). Query side (per decision): norm + projection of H19 pooled over the user turn, one
+cross-attention over the candidates' tokens, then q.k against the pointer keys.
 
 `PointerHead.forward` is the plain reference (every projection computed inline); `encode_options` + `score` is the
 cached path serving uses. The tests compare the two.
@@ -72,6 +74,26 @@ class AttentionBlock(nn.Module):
         k, v = self.project_kv(context)
         return self.attend(x, k, v, mask)
 
+    @torch.no_grad()
+    def fold(self, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """A fixed context's K/V (1, H, S, hd) with the q and o projections folded in (exact algebra): the score
+        weights (d, H*S), the score bias (1, H*S) (q's bias, -inf on padded keys) and the value-output rows
+        (H*S, d), so that attending to that context is `attend_folded`, two matmuls."""
+        H, hd = self.heads, self.head_dim
+        k, v = k[0], v[0]
+        scale = 1 / math.sqrt(hd)
+        weights = torch.einsum("hsk,hkd->hsd", k, self.q.weight.view(H, hd, -1)) * scale
+        bias = torch.einsum("hsk,hk->hs", k, self.q.bias.view(H, hd)) * scale
+        bias = bias.masked_fill(~mask.reshape(1, -1), NEG_INF)
+        values = torch.einsum("hsk,dhk->hsd", v, self.o.weight.view(-1, H, hd))
+        return weights.flatten(0, 1).T.contiguous(), bias.reshape(1, -1), values.flatten(0, 1).contiguous()
+
+    def attend_folded(self, x: Tensor, weights: Tensor, bias: Tensor, values: Tensor) -> Tensor:
+        """`attend` (eval) for x (B, d) over a context folded by `fold`."""
+        scores = torch.addmm(bias, self.norm(x), weights)  # (B, H*S)
+        probs = scores.view(x.shape[0], self.heads, -1).softmax(-1).view(x.shape[0], -1)
+        return x + torch.addmm(self.o.bias, probs, values)
+
 
 @dataclass
 class OptionCache:
@@ -82,6 +104,9 @@ class OptionCache:
     cross_v: Tensor  # (1, H, N*T, hd)
     keys: Tensor  # (N, d): pointer keys
     names: tuple[str, ...] = ()
+    # the same, folded with the query-side projections for a decision over the whole set (`PointerHead.score`):
+    folded_cross: tuple[Tensor, Tensor, Tensor] | None = None  # `AttentionBlock.fold`
+    folded_pointer: tuple[Tensor, Tensor] | None = None  # (d, N) weights and (N,) bias: keys with pointer_q
 
     def __len__(self) -> int:
         return self.keys.shape[0]
@@ -171,12 +196,19 @@ class PointerHead(nn.Module):
     def encode_options(self, embeds: Tensor, mask: Tensor, names: tuple[str, ...] = ()) -> OptionCache:
         tokens = self.option_tokens(embeds, mask)
         k, v = self.cross.project_kv(tokens.flatten(0, 1).unsqueeze(0))  # (1, H, N*T, hd)
-        return OptionCache(mask.clone(), k, v, self.option_keys(tokens, mask), tuple(names))
+        keys = self.option_keys(tokens, mask)
+        with torch.no_grad():
+            scale = 1 / math.sqrt(self.config.d_model)
+            pointer = ((keys @ self.pointer_q.weight).T.contiguous() * scale, keys @ self.pointer_q.bias * scale)
+        return OptionCache(mask.clone(), k, v, keys, tuple(names), self.cross.fold(k, v, mask), pointer)
 
     def score(self, pooled_h19: Tensor, cache: OptionCache, candidates: Tensor | None = None,
               candidate_mask: Tensor | None = None) -> Tensor:
         """Logits (B, N) from the cache: the query projection, the cross-attention and the pointer only."""
         B, (U, T) = pooled_h19.shape[0], cache.mask.shape
+        if candidates is None and cache.folded_cross is not None and not self.training:  # serving: 3 matmuls
+            q = self.cross_mlp(self.cross.attend_folded(self.query(pooled_h19), *cache.folded_cross))
+            return torch.addmm(cache.folded_pointer[1], self.pointer_norm(q), cache.folded_pointer[0])
         q = self.query(pooled_h19).unsqueeze(1)  # (B, 1, d)
         k, v = cache.cross_k, cache.cross_v  # (1, H, U*T, hd)
         if candidates is None:  # every query against the whole cached set: no gather, no membership mask

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -58,7 +60,10 @@ def test_option_cache_equals_uncached_computation(U, T, B):
     query = torch.randn(B, 64)
     with torch.no_grad():
         cache = head.encode_options(embeds, mask)
-        torch.testing.assert_close(head.score(query, cache), head(query, embeds, mask), rtol=1e-5, atol=1e-5)
+        reference = head(query, embeds, mask)
+        torch.testing.assert_close(head.score(query, cache), reference, rtol=1e-5, atol=1e-5)  # folded
+        unfolded = dataclasses.replace(cache, folded_cross=None, folded_pointer=None)
+        torch.testing.assert_close(head.score(query, unfolded), reference, rtol=1e-5, atol=1e-5)
         candidates = torch.randint(0, U, (B, 3))
         cmask = torch.rand(B, 3) < 0.7
         cmask[:, 0] = True
