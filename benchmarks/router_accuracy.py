@@ -9,8 +9,9 @@ checks that the feature path and the serving path agree.
 Splits: generic train/dev/test, domain train/dev, `domain.bench` (held out) with its two parts `domain.bench[corpus]`
 (the corpus sources and templates of domain train) and `domain.bench[asks]` (requests about each domain: held-out
 items, phrasings training never saw; `mol2_router/asks.py`) and, when built, `domain.freeform` (hand-written requests
-that follow no training template; `mol2 router data --freeform-only`). `--route-prompt` scores the MoL2 heads with another route prompt on
-the option side (what serving does with an adapter set whose prompt differs from the trained one).
+that follow no training template; `mol2 router data --freeform-only`). `--route-prompt` scores the MoL2 heads with
+another route prompt on the option side (what serving does with an adapter set whose prompt differs from the trained
+one).
 
     python -m benchmarks.router_accuracy [--quick] [--json PATH] [--plot PATH] [--checkpoint last|best]
                                          [--no-harness] [--route-prompt TEXT] [--runs DIR]

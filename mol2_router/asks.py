@@ -46,7 +46,8 @@ PHRASINGS: dict[str, tuple[str, ...]] = {
                       "Pick a palette around {colour} for my app.", "Restyle the header in {colour}.",
                       "What text colour reads well on {colour}?", "Use {colour} for the links and adjust the rest."),
     "design:icon": ("Draw an icon for '{icon}' in SVG.", "Design a flat symbolic icon meaning {icon}.",
-                    "Sketch a 16px glyph for the {icon} action.", "Our toolbar needs a {icon} icon; what should it look like?",
+                    "Sketch a 16px glyph for the {icon} action.",
+                    "Our toolbar needs a {icon} icon; what should it look like?",
                     "Redraw the {icon} icon so it matches a rounded style.", "Make a monochrome {icon} pictogram."),
     "design:font": ("Would this font suit my website's headings: {font}?", "Pair {font} with a body font for me.",
                     "Set the UI typeface to {font}.", "Is {font} readable enough for long paragraphs?",
@@ -62,6 +63,8 @@ _ACTION_VERBS = {"add", "build", "change", "check", "compare", "compress", "conf
                  "mount", "move", "print", "query", "read", "remove", "rename", "report", "reset", "restore", "run",
                  "search", "send", "set", "show", "sort", "split", "start", "stop", "summarize", "synchronize",
                  "test", "translate", "update", "verify", "view", "wait", "write"}
+_CODE_VERBS = _ACTION_VERBS | {"return", "make", "get", "parse", "encode", "decode", "open", "close", "load", "save",
+                               "compute", "calculate", "strip", "apply", "wrap", "yield"}
 _NAME_LINE = re.compile(r"^(?P<names>[\w.+:,\\ -]+?)\s+\\?-\s+(?P<what>.+)$")
 
 
@@ -72,9 +75,11 @@ def _imperative(phrase: str) -> str | None:
     if len(words) < 3:
         return None
     first = words[0].lower()
-    base = first[:-2] if first.endswith(("ches", "shes", "sses", "xes")) else first[:-1] if first.endswith("s") else first
-    if base not in _ACTION_VERBS | {"return", "make", "get", "parse", "encode", "decode", "open", "close", "load",
-                                    "save", "compute", "calculate", "split", "strip", "apply", "wrap", "yield"}:
+    if first.endswith(("ches", "shes", "sses", "xes")):  # "searches" -> "search"
+        base = first[:-2]
+    else:  # "returns" -> "return", "list" stays
+        base = first[:-1] if first.endswith("s") else first
+    if base not in _CODE_VERBS:
         return None
     return " ".join([base, *words[1:]])
 
@@ -179,8 +184,8 @@ def ask_queries(items: dict[str, list[tuple[str, dict]]], split: str, per_class:
             side = [(key, fields) for key, fields in items[kind]
                     if (unit_hash(key, "ask-split") < bench_fraction) == (split == "bench")]
             pools.append(sorted(side, key=lambda kf: unit_hash(kf[0], f"ask:{seed}")))
-        phrasings = {k: PHRASINGS[k][-BENCH_ONLY_PHRASINGS:] if split == "bench" else PHRASINGS[k][:-BENCH_ONLY_PHRASINGS]
-                     for k in kinds}
+        cut = -BENCH_ONLY_PHRASINGS
+        phrasings = {k: PHRASINGS[k][cut:] if split == "bench" else PHRASINGS[k][:cut] for k in kinds}
         chosen, depth = [], 0
         while len(chosen) < per_class and any(depth < len(p) for p in pools):
             for kind, pool in zip(kinds, pools):

@@ -380,20 +380,20 @@ def domain_questions(corpus: str | Path, candidates: tuple[Candidate, ...], trai
     train = domain_queries(corpus, "train", int(train_per_class * (1 + dev_fraction)) + 1, seed)
     bench = domain_queries(corpus, "valid", 4 * bench_per_class, seed)
     seen = {text for items in train.values() for _, text in items}
-    ask_train = ask_queries(asks or {}, "train", int(asks_per_class * (1 + dev_fraction)) + 1, seed)
-    ask_bench = ask_queries(asks or {}, "bench", asks_per_class // 3, seed)
+    use_asks = bool(asks) and asks_per_class > 0
+    ask_train = ask_queries(asks, "train", int(asks_per_class * (1 + dev_fraction)) + 1, seed) if use_asks else {}
+    ask_bench = ask_queries(asks, "bench", asks_per_class // 3, seed) if use_asks else {}
     out = {"domain.train": [], "domain.dev": [], "domain.bench": []}
     for domain in (c.name for c in candidates):
-        for qid, text in train.get(domain, []) + (ask_train.get(domain, []) if asks_per_class else []):
+        for qid, text in train.get(domain, []) + ask_train.get(domain, []):
             source = f"ask:{domain}" if qid.startswith("ask:") else f"domain:{domain}"
             q = Question(text, candidates, domain, source, f"{domain}:{qid}")
             out["domain.dev" if unit_hash(qid, "domain-dev") < dev_fraction else "domain.train"].append(q)
         held = [(qid, text) for qid, text in bench.get(domain, []) if text not in seen][:bench_per_class]
         out["domain.bench"] += [Question(text, candidates, domain, f"domain:{domain}", f"{domain}:{qid}")
                                 for qid, text in held]
-        if asks_per_class:
-            out["domain.bench"] += [Question(text, candidates, domain, f"ask:{domain}", f"{domain}:{qid}")
-                                    for qid, text in ask_bench.get(domain, [])]
+        out["domain.bench"] += [Question(text, candidates, domain, f"ask:{domain}", f"{domain}:{qid}")
+                                for qid, text in ask_bench.get(domain, [])]
     return out
 
 
