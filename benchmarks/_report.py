@@ -12,6 +12,20 @@ def median_spread(samples: list[float]) -> tuple[float, float, float]:
     return statistics.median(samples), min(samples), max(samples)
 
 
+def paired_difference(a: list[float], b: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """Mean of a - b over paired items with a 95% percentile-bootstrap interval: (mean, low, high).
+
+    Two methods scored on the same items differ less from item to item than either's own mean does, so the
+    interval of their paired difference says whether a gap between two means is more than the items' noise."""
+    import numpy as np
+
+    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
+    if d.size == 0:
+        raise ValueError("no paired items")
+    means = d[np.random.default_rng(seed).integers(0, d.size, (resamples, d.size))].mean(axis=1)
+    return float(d.mean()), float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
 def markdown_table(rows: list[dict], columns: list[str]) -> str:
     def cell(value):
         if isinstance(value, float):

@@ -5,6 +5,9 @@
 
 Columns: direction, method, next_token_kl, attention_kl, top1_agreement, mc_agreement, mc_accuracy, recon_f1
 (see heterofold/evaluate.py for the definitions). Fits every method from the same calibration samples.
+Every other method is also compared with HeteroFold item by item: `gap_next_token_kl` and `gap_attention_kl` are
+the method's mean minus HeteroFold's over the same items (> 0: HeteroFold is lower), with a 95% bootstrap
+interval (`..._low`, `..._high`); a second table prints them.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks._report import paired_difference
 from heterofold.baselines import ALL_METHODS, COMPOSED, compose, fit_method
 from heterofold.evaluate import Direction, EvalConfig, evaluate, make_items, selection_items
 from heterofold import corpus
@@ -24,6 +28,32 @@ from heterofold.zoo import ROOT, load_zoo
 QUICK_METHODS = ["text_reprefill", "heterofold", "kv_ridge_ta", "dense_latent_ta", "abl_index_pairing"]
 COLUMNS = ["direction", "method", "next_token_kl", "attention_kl", "top1_agreement", "mc_agreement",
            "mc_accuracy", "recon_f1"]
+GAP_METRICS = ("next_token_kl", "attention_kl")
+
+
+def with_gaps(rows: list[dict], reference: str = "heterofold") -> list[dict]:
+    """Each row without its per-item values, plus (for the other methods of a direction where `reference` ran)
+    the paired gap to `reference` per metric with its 95% bootstrap interval."""
+    items = {(r["direction"], r["method"]): r["per_item"] for r in rows}
+    out = []
+    for row in rows:
+        row = {k: v for k, v in row.items() if k != "per_item"}
+        ref = items.get((row["direction"], reference))
+        if ref is not None and row["method"] != reference:
+            for metric in GAP_METRICS:
+                mean, low, high = paired_difference(items[row["direction"], row["method"]][metric], ref[metric])
+                row.update({f"gap_{metric}": mean, f"gap_{metric}_low": low, f"gap_{metric}_high": high})
+        out.append(row)
+    return out
+
+
+def gap_table(rows: list[dict]) -> str:
+    lines = ["| direction | method | next-token KL gap [95% CI] | attention KL gap [95% CI] |", "|---|---|---|---|"]
+    for r in rows:
+        if "gap_next_token_kl" in r and r["method"] != "text_reprefill":
+            cells = [f"{r[f'gap_{m}']:+.4f} [{r[f'gap_{m}_low']:+.4f}, {r[f'gap_{m}_high']:+.4f}]" for m in GAP_METRICS]
+            lines.append(f"| {r['direction']} | {r['method']} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
 
 
 def markdown(rows: list[dict], cols=COLUMNS) -> str:
@@ -96,13 +126,16 @@ def main(argv=None) -> list[dict]:
                 fitted[m] = fit(m)
         mappers = {m: fitted[m] for m in methods}
         t1 = time.time()
-        for row in evaluate(Direction(s, r), mappers, items):
-            rows.append({"direction": f"{s_name}->{r_name}", **row})
+        scored = [{"direction": f"{s_name}->{r_name}", **row} for row in evaluate(Direction(s, r), mappers, items)]
+        rows += with_gaps(scored)
         r.set_attn("sdpa")
         print(f"[{s_name}->{r_name}] fit {t1 - t0:.0f}s, eval {time.time() - t1:.0f}s", flush=True)
         if args.json:                              # written after every direction, so a long run keeps its rows
             Path(args.json).write_text(json.dumps(rows, indent=1))
     print(markdown(rows))
+    if any("gap_next_token_kl" in r for r in rows):
+        print("\nEach method against HeteroFold on the same items (its mean minus HeteroFold's; > 0: HeteroFold lower):")
+        print(gap_table(rows))
     Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
     plot(rows, Path(args.plot))
     print(f"plot: {args.plot}")

@@ -132,7 +132,8 @@ class Direction:
 
 @torch.no_grad()
 def evaluate(direction: Direction, methods: dict, items: dict, progress: bool = True) -> list[dict]:
-    """methods: name -> mapper (None for text_reprefill). Returns one row per method."""
+    """methods: name -> mapper (None for text_reprefill). Returns one row per method; its `per_item` holds the
+    next-token and attention KL of every next-token item, for paired comparisons between methods."""
     R, rt = direction.R, direction.r.tok
     stats = {m: {"nt": [], "top1": [], "att": [], "mc": [], "mc_acc": [], "recon": []} for m in methods}
     bar = tqdm(items["lm"], desc="eval lm", disable=not progress, leave=False)
@@ -170,7 +171,7 @@ def evaluate(direction: Direction, methods: dict, items: dict, progress: bool = 
         mean = lambda key: float(np.mean(st[key])) if st[key] else None      # None: the split has no such items
         rows.append({"method": name, "next_token_kl": mean("nt"), "attention_kl": mean("att"),
                      "top1_agreement": mean("top1"), "mc_agreement": mean("mc"), "mc_accuracy": mean("mc_acc"),
-                     "recon_f1": mean("recon")})
+                     "recon_f1": mean("recon"), "per_item": {"next_token_kl": st["nt"], "attention_kl": st["att"]}})
     return rows
 
 
