@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ._report import markdown_table, save_figure, write_json
+from ._report import markdown_table, paired_difference, save_figure, write_json
 
 COLUMNS = ["router", "mode", "checkpoint", "split", "accuracy", "std", "seeds", "n"]
 
@@ -127,6 +127,26 @@ def harness(demo, questions, mol_tokens, checkpoint, progress=True) -> dict[str,
                 reasons.append(d.reason)
     return out, reasons
 
+def mode_gaps(router, predictions, reference: str = "B", splits=("domain.bench", "domain.bench[corpus]",
+                                                                  "domain.bench[asks]", "domain.freeform")) -> list[dict]:
+    """Mode `reference` against each other mode, paired over the same questions: per question the share of a mode's
+    seeds that route it right, then the mean of (reference - other) with a 95% bootstrap interval over questions
+    (the spread over seeds is the accuracy rows' std)."""
+    def per_question(mode, split):
+        runs = [v[split] for (m, _), v in sorted(predictions.items()) if m == mode and split in v]
+        return [statistics.fmean(run[i][0].label == run[i][1] for run in runs) for i in range(len(runs[0]))] \
+            if runs else None
+
+    rows = []
+    for other in sorted({m for m, _ in predictions} - {reference}):
+        for split in splits:
+            ref, oth = per_question(reference, split), per_question(other, split)
+            if ref and oth:
+                gap, low, high = paired_difference(ref, oth)
+                rows.append({"router": router, "group": f"{reference} - {other}, {split}", "n": len(ref),
+                             "accuracy": round(gap, 4) + 0.0, "low": round(low, 4), "high": round(high, 4)})
+    return rows
+
 
 def plot(rows, path):
     import matplotlib
@@ -197,6 +217,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for splits in predictions.values():
             splits.update(bench_parts(splits))
         rows += accuracy_rows(kind, predictions, args.checkpoint)
+        details += [{"table": "mode B against the others, paired over questions (accuracy = gap, 95% interval)", **r}
+                    for r in mode_gaps(kind, predictions)]
         b = [v for (mode, seed), v in sorted(predictions.items()) if mode == "B"]
         if b and "domain.bench" in b[0]:
             details += [{"table": "per class, domain.bench, mode B seed %d" % 0, **r}
@@ -222,11 +244,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(markdown_table(rows, COLUMNS))
     for table in dict.fromkeys(d["table"] for d in details):
         print(f"\n{table}")
-        print(markdown_table([d for d in details if d["table"] == table], ["router", "group", "n", "accuracy"]))
+        chosen = [d for d in details if d["table"] == table]
+        print(markdown_table(chosen, ["router", "group", "n", "accuracy"] + (["low", "high"] if "low" in chosen[0] else [])))
     if reasons:
         print("\nMoL's first decoded texts:", json.dumps(reasons)[:600])
     write_json(rows + [{"router": d["router"], "mode": "detail", "split": d["table"], "group": d["group"],
-                        "accuracy": d["accuracy"], "n": d["n"]} for d in details], args.json)
+                        "accuracy": d["accuracy"], "n": d["n"], **{k: d[k] for k in ("low", "high") if k in d}}
+                       for d in details], args.json)
     if args.plot:
         plot(rows, args.plot)
     return rows

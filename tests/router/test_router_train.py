@@ -107,3 +107,22 @@ def test_batches_close_before_too_many_distinct_options():
     assert sorted(i for b in batches for _, i in b) == list(range(50))
     shared = RouteSet("generic.train", toy_questions(50, 0, "toy"), features=None)  # four options in all
     assert [len(b) for b in source_batches([(shared, i) for i in range(50)], 16, None, max_options=12)] == [16, 16, 16, 2]
+
+
+def test_mode_gaps_pair_modes_over_the_same_questions():
+    from benchmarks.router_accuracy import mode_gaps
+    from mol2_router.data import Candidate, Question
+
+    options = (Candidate("a", "first"), Candidate("b", "second"))
+    qs = [Question(f"q{i}", options, "a", "test", f"q{i}") for i in range(40)]
+
+    def run(right: int):  # the first `right` questions routed right
+        return {"domain.bench": [(q, "a" if i < right else "b") for i, q in enumerate(qs)]}
+
+    predictions = {("B", 0): run(30), ("B", 1): run(34), ("C", 0): run(24), ("C", 1): run(24), ("A", 0): run(32)}
+    gaps = {r["group"]: r for r in mode_gaps("mol2", predictions)}
+    assert set(gaps) == {"B - A, domain.bench", "B - C, domain.bench"}  # only the splits the runs have
+    c = gaps["B - C, domain.bench"]
+    assert c["n"] == 40 and c["accuracy"] == pytest.approx((32 - 24) / 40) and 0 < c["low"] < c["accuracy"] < c["high"]
+    a = gaps["B - A, domain.bench"]  # B's seeds average 32 right, as A's one seed: no gap, zero inside the interval
+    assert a["accuracy"] == 0.0 and a["low"] < 0 < a["high"]
