@@ -12,7 +12,8 @@ def median_spread(samples: list[float]) -> tuple[float, float, float]:
     return statistics.median(samples), min(samples), max(samples)
 
 
-def paired_difference(a: list[float], b: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+def paired_difference(a: list[float], b: list[float], resamples: int = 2000,
+                      seed: int = 0) -> tuple[float, float, float]:
     """Mean of a - b over paired items with a 95% percentile-bootstrap interval: (mean, low, high).
 
     Two methods scored on the same items differ less from item to item than either's own mean does, so the

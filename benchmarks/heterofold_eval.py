@@ -134,7 +134,8 @@ def main(argv=None) -> list[dict]:
             Path(args.json).write_text(json.dumps(rows, indent=1))
     print(markdown(rows))
     if any("gap_next_token_kl" in r for r in rows):
-        print("\nEach method against HeteroFold on the same items (its mean minus HeteroFold's; > 0: HeteroFold lower):")
+        print("\nEach method against HeteroFold on the same items (its mean minus HeteroFold's; "
+              "> 0: HeteroFold lower):")
         print(gap_table(rows))
     Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
     plot(rows, Path(args.plot))

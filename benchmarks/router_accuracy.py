@@ -127,8 +127,11 @@ def harness(demo, questions, mol_tokens, checkpoint, progress=True) -> dict[str,
                 reasons.append(d.reason)
     return out, reasons
 
-def mode_gaps(router, predictions, reference: str = "B", splits=("domain.bench", "domain.bench[corpus]",
-                                                                  "domain.bench[asks]", "domain.freeform")) -> list[dict]:
+
+GAP_SPLITS = ("domain.bench", "domain.bench[corpus]", "domain.bench[asks]", "domain.freeform")
+
+
+def mode_gaps(router, predictions, reference: str = "B", splits=GAP_SPLITS) -> list[dict]:
     """Mode `reference` against each other mode, paired over the same questions: per question the share of a mode's
     seeds that route it right, then the mean of (reference - other) with a 95% bootstrap interval over questions
     (the spread over seeds is the accuracy rows' std)."""
@@ -144,7 +147,8 @@ def mode_gaps(router, predictions, reference: str = "B", splits=("domain.bench",
             if ref and oth:
                 gap, low, high = paired_difference(ref, oth)
                 rows.append({"router": router, "group": f"{reference} - {other}, {split}", "n": len(ref),
-                             "accuracy": round(gap, 4) + 0.0, "low": round(low, 4), "high": round(high, 4)})
+                             "accuracy": round(gap, 4) + 0.0,  # + 0.0 prints a zero gap as 0, not -0
+                             "low": round(low, 4), "high": round(high, 4)})
     return rows
 
 
@@ -217,8 +221,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for splits in predictions.values():
             splits.update(bench_parts(splits))
         rows += accuracy_rows(kind, predictions, args.checkpoint)
-        details += [{"table": "mode B against the others, paired over questions (accuracy = gap, 95% interval)", **r}
-                    for r in mode_gaps(kind, predictions)]
+        gap_table = "mode B against the others, paired over questions (accuracy = gap, 95% interval)"
+        details += [{"table": gap_table, **r} for r in mode_gaps(kind, predictions)]
         b = [v for (mode, seed), v in sorted(predictions.items()) if mode == "B"]
         if b and "domain.bench" in b[0]:
             details += [{"table": "per class, domain.bench, mode B seed %d" % 0, **r}
@@ -245,7 +249,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for table in dict.fromkeys(d["table"] for d in details):
         print(f"\n{table}")
         chosen = [d for d in details if d["table"] == table]
-        print(markdown_table(chosen, ["router", "group", "n", "accuracy"] + (["low", "high"] if "low" in chosen[0] else [])))
+        interval = ["low", "high"] if "low" in chosen[0] else []
+        print(markdown_table(chosen, ["router", "group", "n", "accuracy"] + interval))
     if reasons:
         print("\nMoL's first decoded texts:", json.dumps(reasons)[:600])
     write_json(rows + [{"router": d["router"], "mode": "detail", "split": d["table"], "group": d["group"],
