@@ -4,10 +4,13 @@ The corpus gives the domains as their material (code, markup, shell sessions, fo
 on it alone learns that coding looks like code; a user types "my script raises KeyError: ..." instead. Each source
 here pairs one real item with one phrasing of a request:
 
-- coding: stdlib docstrings ("Return the ...") as things to implement, the stdlib's own `raise X("...")` messages as
-  errors to explain, libc calls from man(3) as how-tos;
+- coding: stdlib docstrings ("Return the ...") as things to implement (as "... to return the ..." or "a function
+  that returns ..."), the stdlib's own `raise X("...")` messages as errors to explain, libc calls from man(3) as
+  how-tos, Python's builtins, the stdlib's modules (by their docstring's first line) and the language reference's
+  topics (`pydoc_data`) as questions about the language;
 - agent: commands from man(1)/man(8) whose one-line summary is an action, as jobs to carry out;
-- design: X11 colour names (rgb.txt), icon names of the installed icon themes, font packages (Debian section fonts);
+- design: X11 colour names (rgb.txt), icon names of the installed icon themes, font packages (Debian section fonts),
+  CSS properties (the list Pygments' CSS lexer knows) as styling requests;
 - chat: fortune cookies shared in conversation.
 
 Items split train / bench by their own hash, and so do the phrasings: a kind's last two phrasings are used only
@@ -30,7 +33,9 @@ BENCH_ONLY_PHRASINGS = 2
 PHRASINGS: dict[str, tuple[str, ...]] = {
     "coding:doc": ("I need a Python helper to {what}", "Implement this in Python, please: {what}",
                    "Could you code up something that will {what}?", "Show me the Python for this: {what}",
-                   "Give me a function to {what}", "Help me write code to {what}"),
+                   "Write a Python function that {does}.", "I need a function which {does}.",
+                   "Code a small Python utility that {does}.", "Make a Python function that {does}.",
+                   "Give me a function to {what}", "Can you write code that {does}?"),
     "coding:error": ("Why do I get {error}?", "My program stops with {error}. What did I do wrong?",
                      "Python says {error} - how do I fix my code?", "Debug this for me: {error}",
                      "Explain this error from my script: {error}", "I keep hitting {error} when I run my tests."),
@@ -39,6 +44,19 @@ PHRASINGS: dict[str, tuple[str, ...]] = {
                     "Explain the return value of {call}() in C ({what}).",
                     "Is {call}() safe to use in my C code? I want to {what}.",
                     "Write C that uses {call}() to {what}."),
+    "coding:builtin": ("When should I use {name}() in Python?", "Explain Python's built-in {name} with an example.",
+                       "Why does {name}() not behave the way I expect in my script?",
+                       "Show me a few ways to use {name}() in Python.", "How does Python's {name} work under the hood?",
+                       "Is there a better alternative to {name}() in my Python code?"),
+    "coding:module": ("How do I use the Python {module} module? It is about {about}.",
+                      "Write a short example with Python's {module} module ({about}).",
+                      "What are the main functions of the {module} module in Python?",
+                      "Is {module} the right Python module for {about}?",
+                      "Help me understand the {module} module ({about}) in Python.",
+                      "Which part of Python's {module} module should I use for {about}?"),
+    "coding:topic": ("Explain {topic} in Python with a small example.", "I'm confused about {topic} in Python.",
+                     "What are the rules for {topic} in Python?", "Teach me {topic} in Python, step by step.",
+                     "What's a common mistake with {topic} in Python?", "In Python code, how do {topic} work?"),
     "agent:command": ("On this machine, {what} with {cmd} for me.", "Please use {cmd} to {what} and report back.",
                       "Run {cmd} here so that we {what}.", "Go ahead and {what} - {cmd} should do it.",
                       "Log in to the server and {what} using {cmd}.", "Automate this with {cmd}: {what}."),
@@ -52,6 +70,10 @@ PHRASINGS: dict[str, tuple[str, ...]] = {
     "design:font": ("Would this font suit my website's headings: {font}?", "Pair {font} with a body font for me.",
                     "Set the UI typeface to {font}.", "Is {font} readable enough for long paragraphs?",
                     "Build a type scale for a landing page using {font}.", "Mock up a poster title set in {font}."),
+    "design:css": ("Use the CSS property {prop} to tidy up my page.", "Style the navigation bar with {prop}.",
+                   "Should I change the {prop} of my cards to make them look better?",
+                   "Give the buttons a {prop} rule so they look nicer.", "Which value of {prop} suits a responsive layout?",
+                   "Explain the CSS property {prop} with an example for my landing page."),
     "chat:share": ("Ha, I read this today: {quote}", "My grandfather always said: {quote}",
                    "Someone posted this and I can't stop laughing: {quote}", "What do you make of this? {quote}",
                    "Random thought for you: {quote}", "A friend texted me this: {quote}"),
@@ -82,6 +104,60 @@ def _imperative(phrase: str) -> str | None:
     if base not in _CODE_VERBS:
         return None
     return " ".join([base, *words[1:]])
+
+
+def _third_person(imperative: str) -> str:
+    """'return the size' -> 'returns the size' (for the verbs `_imperative` knows)."""
+    verb, _, rest = imperative.partition(" ")
+    if verb.endswith(("ch", "sh", "ss", "x")):
+        verb += "es"
+    elif verb.endswith("y") and verb[-2:-1] not in "aeiou":
+        verb = verb[:-1] + "ies"
+    else:
+        verb += "s"
+    return f"{verb} {rest}"
+
+
+def _builtin_names() -> list[str]:
+    """Python's builtin functions and types, without exceptions and the interactive helpers."""
+    import builtins
+
+    skip = {"copyright", "credits", "exit", "help", "license", "quit"}
+    return [name for name, obj in vars(builtins).items()
+            if not name.startswith("_") and name not in skip and callable(obj)
+            and not (isinstance(obj, type) and issubclass(obj, BaseException))]
+
+
+def _module_summaries(stdlib: Path) -> Iterator[tuple[str, str]]:
+    """(module, what its docstring's first line says it is about), for public stdlib modules and packages."""
+    for path in sorted(stdlib.glob("*.py")) + sorted(stdlib.glob("*/__init__.py")):
+        name = path.parent.name if path.name == "__init__.py" else path.stem
+        if name.startswith("_") or "test" in name:
+            continue
+        match = re.match(r'\s*(?:#[^\n]*\n\s*)*[rR]?"""\s*(?P<doc>[^\n]{8,100})', path.read_text(errors="replace"))
+        if not match:
+            continue
+        about = re.sub(rf"^(module\s+)?{re.escape(name)}(\.py)?\s*(--|-|:)\s*", "", match["doc"], flags=re.IGNORECASE)
+        about = re.sub(r'\.\s.*$|\.$', "", about.strip().removesuffix('"""')).strip()
+        if len(about.split()) >= 2:
+            yield name, about[0].lower() + about[1:] if not about[:2].isupper() else about
+
+
+def _language_topics() -> list[str]:
+    """The language reference's help topics ('context-managers' -> 'context managers')."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        return []
+    return [t.replace("-", " ") for t in topics if not t.startswith(("bltin", "atom", "id-", "typesseq-"))]
+
+
+def _css_property_names() -> list[str]:
+    try:  # Pygments ships the list of CSS properties its CSS lexer highlights
+        from pygments.lexers._css_builtins import _css_properties
+    except ImportError:
+        return []
+    return sorted(p for p in _css_properties if not p.startswith("-"))
 
 
 def _man_summaries(section: str, man_root: Path) -> Iterator[tuple[str, str]]:
@@ -144,7 +220,11 @@ def ask_items(man_root: str | Path = "/usr/share/man", icon_root: str | Path = "
     man_root, icon_root = Path(man_root), Path(icon_root)
     docs, errors = _stdlib_items(Path(sysconfig.get_paths()["stdlib"]))
     items: dict[str, list[tuple[str, dict]]] = {kind: [] for kind in PHRASINGS}
-    items["coding:doc"] = [(key, {"what": what}) for key, what in docs]
+    items["coding:doc"] = [(key, {"what": what, "does": _third_person(what)}) for key, what in docs]
+    items["coding:builtin"] = [(f"builtin:{n}", {"name": n}) for n in _builtin_names()]
+    items["coding:module"] = [(f"module:{m}", {"module": m, "about": about})
+                              for m, about in _module_summaries(Path(sysconfig.get_paths()["stdlib"]))]
+    items["coding:topic"] = [(f"topic:{t}", {"topic": t}) for t in _language_topics()]
     items["coding:error"] = [(key, {"error": error}) for key, error in errors]
     for call, what in _man_summaries("3", man_root):
         if (verb := _imperative(what)) and re.fullmatch(r"[a-z_][a-z0-9_]*", call):
@@ -161,6 +241,7 @@ def ask_items(man_root: str | Path = "/usr/share/man", icon_root: str | Path = "
         if icon_root.is_dir() else set()
     items["design:icon"] = [(f"icon:{n}", {"icon": n.replace("-", " ")}) for n in sorted(icons) if len(n) > 3]
     items["design:font"] = [(f"font:{n}", {"font": s}) for n, s in _font_packages(debian or [])]
+    items["design:css"] = [(f"css:{p}", {"prop": p}) for p in _css_property_names()]
     if Path(fortune_root).is_dir():
         from .builders import _fortunes
 

@@ -413,7 +413,7 @@ def write_freeform(out: str | Path, adapters_dir: str | Path | None = None) -> i
 def build_all(out: str | Path, corpus: str | Path = "artifacts/corpus", apt_lists: str | Path = "artifacts/apt/lists",
               fortune_root: str | Path = "/usr/share/games/fortunes", man_root: str | Path = "/usr/share/man",
               adapters_dir: str | Path | None = None, generic_total: int = 6000, train_per_class: int = 300,
-              bench_per_class: int = 100, asks_per_class: int = 150, seed: int = 0, log=print) -> dict[str, int]:
+              bench_per_class: int = 100, asks_per_class: int = 300, seed: int = 0, log=print) -> dict[str, int]:
     """Write generic.{train,dev,test}.jsonl and domain.{train,dev,bench}.jsonl under `out`; returns counts."""
     from .asks import ask_items
 

@@ -162,7 +162,7 @@ def add_router_commands(commands) -> None:
     q.add_argument("--generic-total", type=int, default=6000)
     q.add_argument("--train-per-class", type=int, default=300)
     q.add_argument("--bench-per-class", type=int, default=100)
-    q.add_argument("--asks-per-class", type=int, default=150,
+    q.add_argument("--asks-per-class", type=int, default=300,
                    help="requests about each domain made from offline text (mol2_router/asks.py) added to domain "
                         "train/dev, a third as many to the benchmark; 0 for the corpus alone")
     q.add_argument("--freeform-only", action="store_true",

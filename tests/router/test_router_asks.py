@@ -7,7 +7,8 @@ import gzip
 
 import pytest
 
-from mol2_router.asks import BENCH_ONLY_PHRASINGS, PHRASINGS, _imperative, _man_summaries, ask_queries
+from mol2_router.asks import (BENCH_ONLY_PHRASINGS, PHRASINGS, _imperative, _man_summaries, _module_summaries,
+                              _third_person, ask_queries)
 
 
 @pytest.mark.parametrize("phrase,expected", [
@@ -19,6 +20,23 @@ from mol2_router.asks import BENCH_ONLY_PHRASINGS, PHRASINGS, _imperative, _man_
 ])
 def test_imperative(phrase, expected):
     assert _imperative(phrase) == expected
+
+
+@pytest.mark.parametrize("imperative,expected", [
+    ("return the size", "returns the size"), ("search for files", "searches for files"),
+    ("copy the tree", "copies the tree"), ("display a list", "displays a list"), ("fix the box", "fixes the box"),
+])
+def test_third_person(imperative, expected):
+    assert _third_person(imperative) == expected
+
+
+def test_module_summaries_strip_the_module_name_and_the_period(tmp_path):
+    (tmp_path / "csv.py").write_text('"""csv.py - read/write/investigate CSV files\n"""\n')
+    (tmp_path / "bisect.py").write_text('# comment\n"""Bisection algorithms."""\n')
+    (tmp_path / "_private.py").write_text('"""Hidden helpers for the rest."""\n')
+    (tmp_path / "quiet.py").write_text("x = 1\n")
+    assert sorted(_module_summaries(tmp_path)) == [("bisect", "bisection algorithms"),
+                                                   ("csv", "read/write/investigate CSV files")]
 
 
 def test_man_summaries_from_roff(tmp_path):
