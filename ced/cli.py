@@ -14,6 +14,11 @@ from pathlib import Path
 
 import torch
 
+from mol2_router.data import RouteDataError
+from python_backend.adapter_set import AdapterSetError
+
+USER_ERRORS = (OSError, RouteDataError, AdapterSetError)
+
 
 def chat(args: argparse.Namespace) -> None:
     from .demo import SCRIPT, demo_artifacts
@@ -83,7 +88,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
-    args.run(args)
+    try:
+        args.run(args)
+    except USER_ERRORS as error:  # a missing or malformed input: its message, not a traceback
+        command = " ".join(filter(None, ("mol2", args.command, getattr(args, "router_command", None))))
+        raise SystemExit(f"{command}: error: {error}") from None
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from python_backend.launcher import LaunchError
+
 from .families import FAMILIES
 from .pipeline import N_HELD, N_TRAIN
 from .zoo import ROOT, load_or_train
@@ -35,10 +37,11 @@ def cmd_eval(args) -> None:
 
 
 def cmd_apply(args) -> None:
-    from .pipeline import apply_map, native_continuation
+    from .pipeline import apply_map, native_continuation, require_map
 
-    s, r = _pair(args)
     path = Path(args.map or Path(args.root) / "maps" / f"{args.sender}-to-{args.receiver}")
+    require_map(path, args.sender, args.receiver)  # before loading (or training) the zoo
+    s, r = _pair(args)
     print(f"mapped cache ({path}): {apply_map(path, s, r, args.text, args.max_new)!r}")
     if args.native:
         print(f"native prefill:  {native_continuation(r, args.text, args.max_new)!r}")
@@ -121,8 +124,13 @@ def main(argv=None) -> None:
     sv.set_defaults(fn=cmd_serve)
 
     args = p.parse_args(argv)
+    if getattr(args, "sender", None) is not None and args.sender == args.receiver:
+        p.error(f"--sender and --receiver are both {args.sender}: a map transfers a cache between two families")
     torch.set_num_threads(args.threads)
-    args.fn(args)
+    try:
+        args.fn(args)
+    except (OSError, ValueError, LaunchError) as error:  # missing, mismatched or too-short input: no traceback
+        raise SystemExit(f"heterofold {args.cmd}: error: {error}") from None
 
 
 if __name__ == "__main__":

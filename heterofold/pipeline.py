@@ -41,11 +41,14 @@ def fit_and_save(s: ZooModel, r: ZooModel, out: Path, n_train: int = N_TRAIN, n_
     return m, curves
 
 
+def require_map(path: Path, sender: str, receiver: str) -> None:
+    if not (Path(path) / "map.json").is_file():
+        raise FileNotFoundError(f"no map at {path}: run `heterofold fit --sender {sender} --receiver {receiver}` first")
+
+
 def load_map(path: Path, s: ZooModel, r: ZooModel):
     """A saved map, checked against both models' fingerprints."""
-    if not (Path(path) / "map.json").exists():
-        raise FileNotFoundError(f"no map at {path}: run `heterofold fit --sender {s.spec.name} "
-                                f"--receiver {r.spec.name}` first")
+    require_map(path, s.spec.name, r.spec.name)
     return mapfile.load(path, mapfile.fingerprint(s.adapter, s.tok), mapfile.fingerprint(r.adapter, r.tok))
 
 

@@ -3,7 +3,7 @@
     mol2 router data     [--out DIR] [--freeform-only]       generic + domain routing questions (JSONL)
     mol2 router extract  [--kind mol2|contextual|both]       H19 features, cached in shards (resumable)
     mol2 router train    [--kind K] [--modes A B C] [--seeds 0 1 2] [--epochs N]
-    mol2 router eval     [--kind K] [--mode B] [--seed 0] [--checkpoint best|last] [--data FILE.jsonl]
+    mol2 router eval     [--kind K] [--mode B] [--seed 0] [--checkpoint best|last] [--data-file FILE.jsonl]
     mol2 router export   [--mode B] [--seed 0] [--checkpoint last] [--out artifacts/demo/router]
     mol2 router bench    latency|accuracy|scaling [benchmark options...]
 
@@ -94,6 +94,9 @@ def cmd_eval(args) -> None:
 
     from .pipeline import evaluate_run, run_dir
 
+    if Path(args.data).is_file():
+        raise SystemExit(f"mol2 router eval: error: --data takes the routing-data folder; {args.data} is a file "
+                         "(evaluate a file of your own with --data-file)")
     demo = _demo(args)
     folder = Path(args.head) if args.head else run_dir(demo, args.kind, args.mode, args.seed) / args.checkpoint
     if args.data_file:  # a user's own file, same format
@@ -212,15 +215,12 @@ def add_router_commands(commands) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import torch
-
-    parser = argparse.ArgumentParser(prog="mol2")
-    add_router_commands(parser.add_subparsers(dest="command", required=True))
+    """`python -m mol2_router.cli ARGS` is `mol2 router ARGS`."""
     import sys
 
-    args = parser.parse_args(["router", *(sys.argv[1:] if argv is None else argv)])
-    torch.set_num_threads(args.threads)
-    args.run(args)
+    from ced.cli import main as mol2_main
+
+    mol2_main(["router", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

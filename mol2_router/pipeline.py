@@ -127,6 +127,9 @@ def save_head(folder: str | Path, head: torch.nn.Module, config: RouterConfig, m
 
 def load_head(folder: str | Path) -> tuple[torch.nn.Module, RouterConfig, dict]:
     folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"no router head in {folder}: train one with `mol2 router train` "
+                                "(its --kind, --modes and --seeds name the run folder) or pass --head FOLDER")
     meta = json.loads((folder / "config.json").read_text())
     config = RouterConfig.from_dict(meta["router"])
     head = PointerHead(config) if meta["kind"] == "mol2" else QKHead(config.hidden_size, config.d_model)

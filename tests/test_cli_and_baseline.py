@@ -1,5 +1,6 @@
 """The `mol2 chat` demo runs and reports bounded replay; the every-layer baseline computes what the oracle does."""
 
+import pytest
 import torch
 
 from ced import CEDEngine
@@ -30,3 +31,16 @@ def test_baseline_switch_is_a_full_recompute(adapter_dirs, tiny_model):
         torch.testing.assert_close(logits, engine.oracle(tokens, name)[-1], rtol=0, atol=1e-5)
         sizes.append(conversation.nbytes())
     assert sizes[1] - 8 * len(tokens) == 2 * (sizes[0] - 8 * len(tokens))  # one full state per adapter visited
+
+
+def test_cli_reports_bad_input_without_a_traceback(tmp_path):
+    bad = tmp_path / "mine.jsonl"
+    bad.write_text('{"query": "hi", "candidates": [], "label": "chat"}\n')
+    cases = [(["router", "eval", "--data-file", str(bad)], f"mol2 router eval: error: {bad}:1: empty candidate list"),
+             (["router", "eval", "--data", str(bad)], "mol2 router eval: error: --data takes the routing-data folder"),
+             (["router", "eval", "--head", str(tmp_path)], f"mol2 router eval: error: no router head in {tmp_path}"),
+             (["repo", "build", "--adapter-set", str(tmp_path / "none.json")], "mol2 repo: error: adapter-set file")]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert str(exit_info.value.code).startswith(message)

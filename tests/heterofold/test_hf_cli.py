@@ -23,3 +23,18 @@ def test_serve_help(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     assert "--http-port" in capsys.readouterr().out
+
+
+def test_same_family_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["fit", "--sender", "llama", "--receiver", "llama"])
+    assert e.value.code == 2
+    assert "--sender and --receiver are both llama" in capsys.readouterr().err
+
+
+def test_apply_without_a_map_says_how_to_fit_one_before_loading_the_zoo(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["--root", str(tmp_path), "apply", "--sender", "llama", "--receiver", "qwen3", "some text"])
+    assert str(e.value.code) == (f"heterofold apply: error: no map at {tmp_path / 'maps' / 'llama-to-qwen3'}: "
+                                 "run `heterofold fit --sender llama --receiver qwen3` first")
+    assert not (tmp_path / "zoo").exists()  # failed before building (training) any model
