@@ -22,7 +22,7 @@ from benchmarks._report import paired_difference
 from heterofold.baselines import ALL_METHODS, COMPOSED, compose, fit_method
 from heterofold.evaluate import Direction, EvalConfig, evaluate, make_items, selection_items
 from heterofold import corpus
-from heterofold.pipeline import DIRECTIONS, N_HELD, N_TRAIN, calibration_texts, collect_direction
+from heterofold.pipeline import DIRECTIONS, N_HELD, N_TRAIN, calibration_texts, collect_direction, parse_direction
 from heterofold.zoo import ROOT, load_zoo
 
 QUICK_METHODS = ["text_reprefill", "heterofold", "kv_ridge_ta", "dense_latent_ta", "abl_index_pairing"]
@@ -88,8 +88,10 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--quick", action="store_true", help="one direction, main methods, small sets (1-2 min)")
     p.add_argument("--json", help="write the rows as a JSON list")
     p.add_argument("--plot", default="artifacts/heterofold/heterofold_eval.png")
-    p.add_argument("--directions", help="comma list of SENDER:RECEIVER (default: all six)")
-    p.add_argument("--methods", help="comma list (default: all, or the main ones with --quick)")
+    p.add_argument("--directions", type=lambda text: [parse_direction(d) for d in text.split(",")],
+                   help="comma list of SENDER:RECEIVER (default: all six)")
+    p.add_argument("--methods", type=lambda text: text.split(","),
+                   help=f"comma list of {', '.join(ALL_METHODS)} (default: all, or the main ones with --quick)")
     p.add_argument("--n-train", type=int, default=None)
     p.add_argument("--n-held", type=int, default=None)
     p.add_argument("--n-docs", type=int, default=16, help="evaluation items per task (full run)")
@@ -99,9 +101,11 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    dirs = ([tuple(d.split(":")) for d in args.directions.split(",")] if args.directions
-            else ([("llama", "qwen3")] if args.quick else DIRECTIONS))
-    methods = args.methods.split(",") if args.methods else (QUICK_METHODS if args.quick else ALL_METHODS)
+    dirs = args.directions or ([("llama", "qwen3")] if args.quick else DIRECTIONS)
+    methods = args.methods or (QUICK_METHODS if args.quick else ALL_METHODS)
+    if set(methods) - set(ALL_METHODS):
+        p.error(f"unknown method(s) {', '.join(sorted(set(methods) - set(ALL_METHODS)))}; "
+                f"known: {', '.join(ALL_METHODS)}")
     n_train = args.n_train or (32 if args.quick else N_TRAIN)
     n_held = args.n_held or (8 if args.quick else N_HELD)
     ecfg = EvalConfig(n_docs=8, n_mc=8, n_recon=6) if args.quick else EvalConfig(

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="3 ratios, 15%% of the generic data, 2 epochs")
     parser.add_argument("--ratios", nargs="+", type=float, default=[0.0, 0.1, 0.2, 0.4, 0.7, 1.0])
-    parser.add_argument("--groups", nargs="+", default=["A", "B", "C"])
+    parser.add_argument("--groups", nargs="+", default=["A", "B", "C"], choices=("A", "B", "C"))
     parser.add_argument("--generic-share", type=float, default=1.0, help="'all generic' means this share")
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)

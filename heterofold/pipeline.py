@@ -19,6 +19,19 @@ N_TRAIN, N_HELD = 448, 112
 DIRECTIONS = [(s, r) for s in ("llama", "qwen3", "mistral") for r in ("llama", "qwen3", "mistral") if s != r]
 
 
+def parse_direction(text: str) -> tuple[str, str]:
+    """"SENDER:RECEIVER" -> (sender, receiver), two different families (an argparse `type`)."""
+    from argparse import ArgumentTypeError
+
+    from .families import FAMILIES
+
+    sender, _, receiver = text.partition(":")
+    if sender not in FAMILIES or receiver not in FAMILIES or sender == receiver:
+        raise ArgumentTypeError(f"{text!r} is not SENDER:RECEIVER with two different families of "
+                                f"{', '.join(sorted(FAMILIES))}")
+    return sender, receiver
+
+
 def calibration_texts(n_train: int, n_held: int, chars: int = 600, root: Path = ROOT):
     """Calibration prompts (first `chars` characters of calib-split documents): train and held-out parts."""
     docs = [d[:chars] for d in corpus.build(root / "corpus.json")["calib"] if len(d) >= 200]

@@ -38,3 +38,14 @@ def test_apply_without_a_map_says_how_to_fit_one_before_loading_the_zoo(tmp_path
     assert str(e.value.code) == (f"heterofold apply: error: no map at {tmp_path / 'maps' / 'llama-to-qwen3'}: "
                                  "run `heterofold fit --sender llama --receiver qwen3` first")
     assert not (tmp_path / "zoo").exists()  # failed before building (training) any model
+
+
+def test_benchmark_directions_are_checked():
+    from argparse import ArgumentTypeError
+
+    from heterofold.pipeline import parse_direction
+
+    assert parse_direction("mistral:qwen3") == ("mistral", "qwen3")
+    for bad in ("llama", "llama:llama", "llama:gpt2", "llama:qwen3:mistral"):
+        with pytest.raises(ArgumentTypeError, match="two different families"):
+            parse_direction(bad)
