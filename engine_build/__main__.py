@@ -371,9 +371,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# input folders the commands read: what each must hold, and the command that builds it
+INPUTS = {"corpus": ("*.train.jsonl", "python -m engine_build corpus --out DIR"),
+          "tokenizer": ("tokenizer.json", "python -m engine_build tokenizer --corpus DIR --out DIR"),
+          "model": ("config.json", "python -m engine_build pretrain --out DIR (the model is DIR/model)")}
+
+
+def _missing_input(args: argparse.Namespace) -> str | None:
+    for name, (pattern, command) in INPUTS.items():
+        folder = getattr(args, name, None)
+        if folder is not None and not any(Path(folder).glob(pattern)):
+            return f"--{name} {folder} holds no {pattern}: build it with `{command}`"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.fn(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    problem = _missing_input(args)
+    if problem:  # before any work: a wrong folder would otherwise train on nothing or fail deep inside
+        parser.error(problem)
+    try:
+        return args.fn(args)
+    except OSError as error:
+        raise SystemExit(f"python -m engine_build {args.command}: error: {error}") from None
 
 
 if __name__ == "__main__":

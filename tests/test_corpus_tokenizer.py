@@ -266,3 +266,16 @@ def test_tokenizer_training_is_deterministic(roots, tmp_path, small_tokenizer):
     assert (path / "tokenizer.json").read_bytes() == (tmp_path / "tok2" / "tokenizer.json").read_bytes()
     with pytest.raises(ValueError):
         T.train_tokenizer(None, None, vocab_size=1000, texts=texts)
+
+
+def test_build_commands_refuse_a_folder_without_their_input(tmp_path, capsys):
+    from engine_build.__main__ import main
+
+    for argv, message in [(["tokenizer", "--corpus", str(tmp_path), "--out", str(tmp_path / "tok")],
+                           f"--corpus {tmp_path} holds no *.train.jsonl: build it with `python -m engine_build corpus"),
+                          (["adapters", "--model", str(tmp_path), "--out", str(tmp_path / "adapters")],
+                           f"--model {tmp_path} holds no config.json")]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert sorted(tmp_path.iterdir()) == []  # nothing was written
