@@ -271,11 +271,15 @@ def test_tokenizer_training_is_deterministic(roots, tmp_path, small_tokenizer):
 def test_build_commands_refuse_a_folder_without_their_input(tmp_path, capsys):
     from engine_build.__main__ import main
 
-    for argv, message in [(["tokenizer", "--corpus", str(tmp_path), "--out", str(tmp_path / "tok")],
-                           f"--corpus {tmp_path} holds no *.train.jsonl: build it with `python -m engine_build corpus"),
-                          (["adapters", "--model", str(tmp_path), "--out", str(tmp_path / "adapters")],
-                           f"--model {tmp_path} holds no config.json")]:
+    empty, corpus = tmp_path / "empty", tmp_path / "corpus"
+    empty.mkdir()
+    corpus.mkdir()
+    (corpus / "chat.train.jsonl").write_text("")
+    for argv, message in [(["tokenizer", "--corpus", str(empty), "--out", str(tmp_path / "tok")],
+                           f"--corpus {empty} holds no *.train.jsonl: build it with `python -m engine_build corpus"),
+                          (["adapters", "--corpus", str(corpus), "--model", str(empty), "--out", str(tmp_path / "ad")],
+                           f"--model {empty} holds no config.json")]:
         with pytest.raises(SystemExit) as exit_info:
             main(argv)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
-    assert sorted(tmp_path.iterdir()) == []  # nothing was written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "empty"]  # nothing was written
