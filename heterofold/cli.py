@@ -32,8 +32,10 @@ def cmd_fit(args) -> None:
 def cmd_eval(args) -> None:
     from benchmarks.heterofold_eval import main as bench_main
 
-    argv = ["--directions", f"{args.sender}:{args.receiver}"] + (["--quick"] if args.quick else [])
-    bench_main(argv + (["--json", args.json] if args.json else []))
+    argv = ["--directions", f"{args.sender}:{args.receiver}", "--split", args.split] + (["--quick"] if args.quick else [])
+    for flag, value in (("--json", args.json), ("--methods", args.methods), ("--n-docs", args.n_docs)):
+        argv += [flag, str(value)] if value is not None else []
+    bench_main(argv)
 
 
 def cmd_apply(args) -> None:
@@ -100,8 +102,12 @@ def main(argv=None) -> None:
 
     e = sub.add_parser("eval", help="evaluate HeteroFold, baselines and ablations on one direction")
     pair_args(e)
-    e.add_argument("--quick", action="store_true")
+    e.add_argument("--quick", action="store_true", help="main methods, small sets (1-2 min)")
     e.add_argument("--json", help="write the table as JSON rows")
+    e.add_argument("--methods", help="comma list (default: all; see python -m benchmarks.heterofold_eval --help)")
+    e.add_argument("--n-docs", type=int, help="evaluation items per task (default 16)")
+    e.add_argument("--split", choices=("heldout", "selection"), default="heldout",
+                   help="heldout: the held-out corpus; selection: the held-out calibration prompts, for choosing settings")
     e.set_defaults(fn=cmd_eval)
 
     a = sub.add_parser("apply", help="sender prefills TEXT, the receiver continues from the mapped cache")

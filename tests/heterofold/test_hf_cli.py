@@ -49,3 +49,14 @@ def test_benchmark_directions_are_checked():
     for bad in ("llama", "llama:llama", "llama:gpt2", "llama:qwen3:mistral"):
         with pytest.raises(ArgumentTypeError, match="two different families"):
             parse_direction(bad)
+
+
+def test_eval_forwards_its_options_to_the_benchmark(monkeypatch):
+    import benchmarks.heterofold_eval as bench
+
+    seen = []
+    monkeypatch.setattr(bench, "main", seen.append)
+    main(["eval", "--sender", "mistral", "--receiver", "qwen3", "--split", "selection", "--methods", "heterofold",
+          "--n-docs", "8"])
+    assert seen == [["--directions", "mistral:qwen3", "--split", "selection", "--methods", "heterofold",
+                     "--n-docs", "8"]]
