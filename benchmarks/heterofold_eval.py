@@ -99,6 +99,7 @@ def main(argv=None) -> list[dict]:
                    help="heldout: the held-out corpus (the reported numbers); selection: the calibration held-out "
                         "prompts scored the same way (next-token and attention items only), for choosing settings")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--root", type=Path, default=ROOT, help="zoo + corpus folder (default: %(default)s)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     dirs = args.directions or ([("llama", "qwen3")] if args.quick else DIRECTIONS)
@@ -110,16 +111,16 @@ def main(argv=None) -> list[dict]:
     n_held = args.n_held or (8 if args.quick else N_HELD)
     ecfg = EvalConfig(n_docs=8, n_mc=8, n_recon=6) if args.quick else EvalConfig(
         n_docs=args.n_docs, n_mc=args.n_docs, n_recon=max(args.n_docs * 2 // 3, 1))
-    zoo = load_zoo(tuple(dict.fromkeys(f for d in dirs for f in d)))
-    items = make_items(corpus.build(ROOT / "corpus.json")["heldout"], ecfg)
+    zoo = load_zoo(tuple(dict.fromkeys(f for d in dirs for f in d)), args.root)
+    items = make_items(corpus.build(args.root / "corpus.json")["heldout"], ecfg)
     rows = []
     for s_name, r_name in dirs:
         t0 = time.time()
         s, r = zoo[s_name], zoo[r_name]
         if args.split == "selection":
-            items = selection_items(calibration_texts(n_train, n_held)[1], r.tok)
+            items = selection_items(calibration_texts(n_train, n_held, root=args.root)[1], r.tok)
         r.set_attn("eager")                       # attention weights for attention_kl
-        train, held, _ = collect_direction(s, r, n_train, n_held)
+        train, held, _ = collect_direction(s, r, n_train, n_held, args.root)
         fitted = {"text_reprefill": None}
         fit = lambda m: fitted.get(m) or fit_method(m, s.adapter, r.adapter, train, held)[0]
         for m in methods:

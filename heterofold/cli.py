@@ -12,11 +12,12 @@ from python_backend.launcher import LaunchError
 
 from .families import FAMILIES
 from .pipeline import N_HELD, N_TRAIN
-from .zoo import ROOT, load_or_train
+from .zoo import ROOT, TrainConfig, load_or_train
 
 
 def _pair(args):
-    return load_or_train(args.sender, Path(args.root)), load_or_train(args.receiver, Path(args.root))
+    cfg = TrainConfig(steps=args.zoo_steps)  # used only for a zoo model not trained yet
+    return load_or_train(args.sender, Path(args.root), cfg), load_or_train(args.receiver, Path(args.root), cfg)
 
 
 def cmd_fit(args) -> None:
@@ -32,7 +33,8 @@ def cmd_fit(args) -> None:
 def cmd_eval(args) -> None:
     from benchmarks.heterofold_eval import main as bench_main
 
-    argv = ["--directions", f"{args.sender}:{args.receiver}", "--split", args.split] + (["--quick"] if args.quick else [])
+    argv = ["--directions", f"{args.sender}:{args.receiver}", "--split", args.split, "--root", args.root]
+    argv += ["--quick"] if args.quick else []
     for flag, value in (("--json", args.json), ("--methods", args.methods), ("--n-docs", args.n_docs)):
         argv += [flag, str(value)] if value is not None else []
     bench_main(argv)
@@ -86,6 +88,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="heterofold", description=__doc__)
     p.add_argument("--root", default=str(ROOT), help="artifact folder (zoo, corpus, maps)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--zoo-steps", type=int, default=TrainConfig.steps,
+                   help="training steps of a zoo model that fit or apply trains on first use (default: %(default)s)")
     sub = p.add_subparsers(dest="cmd", required=True)
     fams = sorted(FAMILIES)
 

@@ -58,5 +58,5 @@ def test_eval_forwards_its_options_to_the_benchmark(monkeypatch):
     monkeypatch.setattr(bench, "main", seen.append)
     main(["eval", "--sender", "mistral", "--receiver", "qwen3", "--split", "selection", "--methods", "heterofold",
           "--n-docs", "8"])
-    assert seen == [["--directions", "mistral:qwen3", "--split", "selection", "--methods", "heterofold",
-                     "--n-docs", "8"]]
+    assert seen == [["--directions", "mistral:qwen3", "--split", "selection", "--root", "artifacts/heterofold",
+                     "--methods", "heterofold", "--n-docs", "8"]]
