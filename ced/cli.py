@@ -14,11 +14,6 @@ from pathlib import Path
 
 import torch
 
-from mol2_router.data import RouteDataError
-from python_backend.adapter_set import AdapterSetError
-
-USER_ERRORS = (OSError, RouteDataError, AdapterSetError)
-
 
 def chat(args: argparse.Namespace) -> None:
     from .demo import SCRIPT, demo_artifacts
@@ -85,12 +80,15 @@ def main(argv: list[str] | None = None) -> None:
     from mol2_router.cli import add_router_commands  # `mol2 router ...` lives with the router package
 
     add_router_commands(commands)
+    from mol2_router.data import RouteDataError
+    from python_backend.adapter_set import AdapterSetError
+
     args = parser.parse_args(argv)
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     try:
         args.run(args)
-    except USER_ERRORS as error:  # a missing or malformed input: its message, not a traceback
+    except (OSError, RouteDataError, AdapterSetError) as error:  # a missing or malformed input: no traceback
         command = " ".join(filter(None, ("mol2", args.command, getattr(args, "router_command", None))))
         raise SystemExit(f"{command}: error: {error}") from None
 

@@ -95,8 +95,8 @@ def cmd_eval(args) -> None:
     from .pipeline import evaluate_run, run_dir
 
     if Path(args.data).is_file():
-        raise SystemExit(f"mol2 router eval: error: --data takes the routing-data folder; {args.data} is a file "
-                         "(evaluate a file of your own with --data-file)")
+        raise NotADirectoryError(f"--data takes the routing-data folder; {args.data} is a file "
+                                 "(evaluate a file of your own with --data-file)")
     demo = _demo(args)
     folder = Path(args.head) if args.head else run_dir(demo, args.kind, args.mode, args.seed) / args.checkpoint
     if args.data_file:  # a user's own file, same format
