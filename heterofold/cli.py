@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -12,12 +13,20 @@ from python_backend.launcher import LaunchError
 
 from .families import FAMILIES
 from .pipeline import N_HELD, N_TRAIN
-from .zoo import ROOT, TrainConfig, load_or_train
+from .zoo import ROOT, TrainConfig, load_or_train, trained_steps
 
 
 def _pair(args):
-    cfg = TrainConfig(steps=args.zoo_steps)  # used only for a zoo model not trained yet
-    return load_or_train(args.sender, Path(args.root), cfg), load_or_train(args.receiver, Path(args.root), cfg)
+    root = Path(args.root)
+    if args.zoo_steps is not None:
+        for family in (args.sender, args.receiver):
+            steps = trained_steps(family, root)
+            if steps is not None and steps != args.zoo_steps:
+                print(f"heterofold: note: zoo model {family!r} under {root} was trained {steps} steps and is used as "
+                      f"it is; --zoo-steps {args.zoo_steps} applies only to a model trained now (another --root "
+                      f"trains a new zoo)", file=sys.stderr)
+    cfg = TrainConfig(steps=args.zoo_steps or TrainConfig.steps)  # used only for a zoo model not trained yet
+    return load_or_train(args.sender, root, cfg), load_or_train(args.receiver, root, cfg)
 
 
 def cmd_fit(args) -> None:
@@ -84,12 +93,19 @@ def cmd_serve(args) -> None:
         stop(process)
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of steps")
+    return int(text)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="heterofold", description=__doc__)
     p.add_argument("--root", default=str(ROOT), help="artifact folder (zoo, corpus, maps)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--zoo-steps", type=int, default=TrainConfig.steps,
-                   help="training steps of a zoo model that fit or apply trains on first use (default: %(default)s)")
+    p.add_argument("--zoo-steps", type=_positive, default=None,
+                   help=f"training steps of a zoo model that fit or apply trains on first use (default: "
+                        f"{TrainConfig.steps}); a zoo model already under --root is used as it is")
     sub = p.add_subparsers(dest="cmd", required=True)
     fams = sorted(FAMILIES)
 

@@ -124,6 +124,14 @@ def load(family: str, root: Path = ROOT, seed: int = 0) -> ZooModel:
     return ZooModel(spec, model.eval(), tok)
 
 
+def trained_steps(family: str, root: Path = ROOT) -> int | None:
+    """The optimizer steps an existing zoo model was trained for (None: not trained yet, or no training log)."""
+    log = Path(root) / "zoo" / family / "train_log.json"
+    if not log.is_file():
+        return None
+    return json.loads(log.read_text()).get("config", {}).get("steps")
+
+
 def load_or_train(family: str, root: Path = ROOT, cfg: TrainConfig | None = None) -> ZooModel:
     cfg = cfg or TrainConfig()
     if (root / "zoo" / family / "model.safetensors").exists():

@@ -60,3 +60,32 @@ def test_eval_forwards_its_options_to_the_benchmark(monkeypatch):
           "--n-docs", "8"])
     assert seen == [["--directions", "mistral:qwen3", "--split", "selection", "--root", "artifacts/heterofold",
                      "--methods", "heterofold", "--n-docs", "8"]]
+
+
+def test_zoo_steps_apply_to_new_models_and_an_existing_zoo_is_named(tmp_path, monkeypatch, capsys):
+    import argparse
+    import json
+
+    from heterofold import cli
+
+    log = tmp_path / "zoo" / "llama" / "train_log.json"
+    log.parent.mkdir(parents=True)
+    log.write_text(json.dumps({"config": {"steps": 1500}, "losses": []}))
+    built = []
+    monkeypatch.setattr(cli, "load_or_train", lambda family, root, cfg: built.append((family, cfg.steps)) or family)
+
+    args = argparse.Namespace(root=str(tmp_path), sender="llama", receiver="qwen3", zoo_steps=700)
+    assert cli._pair(args) == ("llama", "qwen3")
+    assert built == [("llama", 700), ("qwen3", 700)]   # qwen3 is not trained yet: it gets the steps asked for
+    err = capsys.readouterr().err
+    assert "zoo model 'llama'" in err and "trained 1500 steps" in err and "qwen3" not in err
+
+    built.clear()
+    cli._pair(argparse.Namespace(root=str(tmp_path), sender="llama", receiver="qwen3", zoo_steps=None))
+    assert built == [("llama", 500), ("qwen3", 500)] and capsys.readouterr().err == ""
+
+
+def test_zoo_steps_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--zoo-steps", "0", "fit", "--sender", "llama", "--receiver", "qwen3"])
+    assert e.value.code == 2 and "not a positive number of steps" in capsys.readouterr().err
