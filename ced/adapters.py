@@ -68,9 +68,37 @@ def placement_violation(module: str, config: CEDConfig, placement: str = "decode
 
 # -- reading PEFT's format ---------------------------------------------------------------------------------
 
+# adapter_config.json fields that do not change what a loaded adapter computes (metadata, training-time options,
+# which modules were targeted: the weights file says that) or that `AdapterConfig` reads.
+_HARMLESS = frozenset({
+    "task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode",
+    "r", "lora_alpha", "use_rslora", "target_modules", "exclude_modules", "target_parameters", "layers_to_transform",
+    "layers_pattern", "lora_dropout", "init_lora_weights", "megatron_config", "megatron_core", "qalora_group_size",
+    "runtime_config", "eva_config", "ensure_weight_tying",
+})
+# Initialisations that also rewrite the base model's weights: the saved adapter only works on that rewritten base
+# (PEFT converts such an adapter to plain LoRA when saved with `path_initial_model_for_weight_conversion`).
+_BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga", "lora-ga")
+
+
+def unsupported_settings(values: dict) -> list[str]:
+    """Settings in adapter_config.json this engine cannot reproduce: any field outside _HARMLESS that is set (a
+    PEFT variant this engine does not know is refused, not silently computed as plain LoRA), a bias other than
+    'none', or an initialisation that rewrote the base."""
+    defaults = (None, False, {}, [], "", "none")
+    bad = [name for name, value in values.items()
+           if name not in _HARMLESS and not any(value is d or value == d for d in defaults)]
+    if values.get("peft_type", "LORA") != "LORA":
+        bad.append("peft_type")
+    init = values.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS):
+        bad.append(f"init_lora_weights={init!r}")
+    return sorted(bad)
+
+
 @dataclass(frozen=True)
 class AdapterConfig:
-    """The fields of adapter_config.json this engine uses; unknown fields are dropped."""
+    """The fields of adapter_config.json this engine uses (`unsupported_settings` has checked the others)."""
 
     r: int
     lora_alpha: float
@@ -86,20 +114,10 @@ class AdapterConfig:
         missing = [name for name in ("r", "lora_alpha") if name not in values]
         if missing:
             raise AdapterError(f"{path}: adapter_config.json lacks required field(s) {missing}")
-        unsupported = {
-            "peft_type": values.get("peft_type", "LORA") != "LORA",
-            "use_dora": bool(values.get("use_dora")),
-            "fan_in_fan_out": bool(values.get("fan_in_fan_out")),
-            "bias": values.get("bias", "none") != "none",
-            "modules_to_save": bool(values.get("modules_to_save")),
-            "rank_pattern": bool(values.get("rank_pattern")),
-            "alpha_pattern": bool(values.get("alpha_pattern")),
-            "lora_bias": bool(values.get("lora_bias")),
-        }
-        bad = sorted(name for name, is_bad in unsupported.items() if is_bad)
+        bad = unsupported_settings(values)
         if bad:
-            raise AdapterError(f"{path}: unsupported adapter_config.json settings {bad} "
-                               "(plain LoRA with bias='none' only)")
+            raise AdapterError(f"{path}: unsupported adapter_config.json settings {bad} (plain LoRA with "
+                               "bias='none' on the base as it is only: these change what the adapter computes)")
         r = values["r"]
         if not isinstance(r, int) or r <= 0:
             raise AdapterError(f"{path}: adapter_config.json has r={r!r}; it must be a positive integer")

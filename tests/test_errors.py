@@ -1,7 +1,9 @@
 """Bad input gets a clear exception and leaves the engine exactly as it was: adapters and conversation state."""
 
 import json
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,6 +80,40 @@ def test_broken_adapter_files(busy, adapter_dirs, tmp_path, damage, message):
     with pytest.raises(AdapterError, match=message):
         engine.adapters.replace("A1", path)  # a failed replace keeps the old version serving
     assert_unchanged(before, snapshot(engine, state))
+
+
+@pytest.mark.parametrize("setting, named", [
+    ({"init_lora_weights": "pissa_niter_4"}, "init_lora_weights='pissa_niter_4'"),   # rewrote the base's weights
+    ({"init_lora_weights": "olora"}, "init_lora_weights='olora'"),
+    ({"alora_invocation_tokens": [5, 6]}, "alora_invocation_tokens"),             # applies from the invocation on
+    ({"layer_replication": [[0, 6], [4, 6]]}, "layer_replication"),               # another layer stack
+    ({"use_bdlora": {"block": 2}}, "use_bdlora"),
+    ({"trainable_token_indices": [3]}, "trainable_token_indices"),
+    ({"bias": "all"}, "bias"),
+    ({"peft_type": "LOHA"}, "peft_type"),
+    ({"some_future_variant": {"k": 1}}, "some_future_variant"),                   # unknown and set: refused
+])
+def test_adapter_settings_that_change_the_computation_are_refused(busy, adapter_dirs, tmp_path, setting, named):
+    engine, state = busy
+    path = corrupt(adapter_dirs, tmp_path)
+    config = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**config, **setting}))
+    before = snapshot(engine, state)
+    with pytest.raises(AdapterError, match=re.escape(named)):
+        engine.adapters.load("A4", path)
+    assert_unchanged(before, snapshot(engine, state))
+
+
+def test_a_config_peft_wrote_passes_the_settings_check():
+    from ced.adapters import unsupported_settings
+
+    demo_adapters = Path(__file__).resolve().parents[1] / "models" / "demo" / "adapters"
+    configs = sorted(demo_adapters.glob("*/adapter_config.json"))   # every field PEFT 0.21 writes
+    assert len(configs) >= 4
+    for config in configs:
+        assert unsupported_settings(json.loads(config.read_text())) == [], config
+    assert unsupported_settings({"init_lora_weights": "gaussian", "lora_dropout": 0.1, "loftq_config": {},
+                                 "use_qalora": False, "layers_to_transform": [4, 5]}) == []
 
 
 def test_wrong_shape_and_rank(busy, tmp_path):
