@@ -7,6 +7,7 @@ Everything is validated before any slot is touched, so a refused adapter leaves 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -133,6 +134,16 @@ class PeftAdapter:
     weights: dict[str, tuple[Tensor, Tensor]] = field(repr=False)  # module -> (A (r, in), B scaled (out, r))
 
     @property
+    def digest(self) -> str:
+        """Of what the slots would hold (modules, A, scaled B): equal for the same weights whatever the path."""
+        h = hashlib.sha256()
+        for module in sorted(self.weights):
+            h.update(module.encode())
+            for tensor in self.weights[module]:
+                h.update(tensor.contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    @property
     def rank(self) -> int:
         return max(a.shape[0] for a, _ in self.weights.values())
 
@@ -206,6 +217,7 @@ class AdapterRecord:
     slot: int
     rank: int
     modules: tuple[str, ...]
+    digest: str  # of the adapter's files: windows built under other weights of the same name are stale
 
 
 class AdapterRegistry:
@@ -236,6 +248,10 @@ class AdapterRegistry:
 
     def slot_of(self, name: str | None) -> int:
         return -1 if name is None else self.get(name).slot
+
+    def digest(self, name: str | None) -> str:
+        """The digest of the weights in `name`'s slot now ("base" for the base, which never changes)."""
+        return "base" if name is None else self.get(name).digest
 
     def load(self, name: str, path: str | Path) -> AdapterRecord:
         if not name or not isinstance(name, str):
@@ -281,6 +297,7 @@ class AdapterRegistry:
                 module.reset_lora(slot)
             for module, (a, b) in adapter.weights.items():
                 self.modules[module].set_lora(slot, a, b)
-        record = AdapterRecord(name, str(adapter.path), version, slot, adapter.rank, tuple(sorted(adapter.weights)))
+        record = AdapterRecord(name, str(adapter.path), version, slot, adapter.rank, tuple(sorted(adapter.weights)),
+                               adapter.digest)
         self._records[name] = record
         return record

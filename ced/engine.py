@@ -152,7 +152,7 @@ class CEDEngine:
         selection = Selection(shared.selection.idx[:, -n:], shared.selection.valid[:, -n:])
         with self._rows([adapter]):
             logits = self._decoder_logits(state, shared.stream[:, -n:], state.length - n, selection, windows, capture)
-        state.bound = AdapterState(adapter, windows, state.length)
+        state.bound = AdapterState(adapter, windows, state.length, self.adapters.digest(adapter))
         self.stats.replayed_positions += n
         return logits, n
 
@@ -163,6 +163,9 @@ class CEDEngine:
         if state.bound.length != state.length or state.bound.adapter != adapter:
             raise StateError(f"the adapter-bound windows are for {state.bound.adapter!r} at length "
                              f"{state.bound.length}, not {adapter!r} at {state.length}: call replay first")
+        if state.bound.digest != self.adapters.digest(adapter):
+            raise StateError(f"adapter {adapter!r} now holds other weights than those its windows were built "
+                             "with (replaced since): call replay first")
         with self._rows([adapter]):
             out = self._run_shared(state, tokens)
             logits = self._decoder_logits(state, out.stream, state.length - 1, out.selection, state.bound.windows)

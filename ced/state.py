@@ -107,6 +107,7 @@ class AdapterState:
     adapter: str | None
     windows: dict[int, LocalWindow]
     length: int = 0  # the context length these windows are current for
+    digest: str | None = None  # of the adapter weights that built them (AdapterRegistry.digest); None: unknown
 
     def nbytes(self) -> int:
         return sum(w.nbytes() for w in self.windows.values())

@@ -53,7 +53,8 @@ def encode_state(state: ConversationState, config: CEDConfig) -> bytes:
     for layer, window in state.bound.windows.items():
         put(f"bound.window.{layer}", k=window.k, v=window.v)
     metadata = {"format": FORMAT, "config": config_fingerprint(config), "checksum": _checksum(tensors),
-                "bound_adapter": json.dumps(state.bound.adapter), "bound_length": str(state.bound.length)}
+                "bound_adapter": json.dumps(state.bound.adapter), "bound_length": str(state.bound.length),
+                "bound_digest": json.dumps(state.bound.digest)}
     return save(tensors, metadata=metadata)
 
 
@@ -84,7 +85,7 @@ def decode_state(data: bytes, config: CEDConfig) -> ConversationState:
                          tensors.get("shared.stream"), selection, tensors["tokens"].tolist())
     bound = AdapterState(json.loads(metadata["bound_adapter"]),
                          {i: window(f"bound.window.{i}") for i in config.adapter_bound_layers},
-                         int(metadata["bound_length"]))
+                         int(metadata["bound_length"]), json.loads(metadata.get("bound_digest", "null")))
     return ConversationState(shared, bound)
 
 

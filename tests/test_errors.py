@@ -166,6 +166,21 @@ def test_decoding_with_stale_windows_is_refused(busy):
         engine.step(state, 3, "A1")  # windows do not cover the new tokens
 
 
+def test_decoding_on_windows_of_a_replaced_adapter_is_refused(busy, adapter_dirs):
+    engine, state = busy                                  # windows built under A1's weights
+    engine.adapters.replace("A1", adapter_dirs["A2"])
+    with pytest.raises(StateError, match="other weights"):
+        engine.step(state, 3, "A1")
+    engine.adapters.unload("A1")
+    engine.adapters.load("A1", adapter_dirs["A1"])        # the weights the windows were built with, loaded again
+    engine.step(state, 3, "A1")                           # valid windows: accepted without a replay
+    engine.adapters.replace("A1", adapter_dirs["A3"])
+    with pytest.raises(StateError, match="other weights"):
+        engine.step(state, 3, "A1")
+    logits, _ = engine.replay(state, "A1")
+    engine.step(state, int(logits.argmax()), "A1")
+
+
 def test_register_replace_unload(engine, adapter_dirs):
     record = engine.adapters.get("A1")
     assert record.version == 1 and record.rank == 4
