@@ -33,7 +33,9 @@ class OrtCEDEngine(CEDEngine):
 
     def __init__(self, model: CEDForCausalLM, engine_dir: str | Path, max_adapters: int = 8, max_rank: int = 16,
                  prefill_chunk: int = 256, threads: int | None = None):
-        super().__init__(model, max_adapters, max_rank, prefill_chunk=prefill_chunk)
+        # The graphs run float32 (exported from the float32 model), so the state and the slots must be float32 too,
+        # whatever dtype the checkpoint was saved in.
+        super().__init__(model.float(), max_adapters, max_rank, prefill_chunk=prefill_chunk)
         self.engine_dir = Path(engine_dir)
         self.manifest = read_manifest(self.engine_dir, self.kind)
         check_matches(self.manifest, self.config, self.model, list(self.adapters.modules), self.engine_dir)

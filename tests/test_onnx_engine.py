@@ -3,6 +3,7 @@ step (with and without adapters), source independence still bitwise, the same gr
 that switches adapters, adapters swapped at run time without re-export, and the trained demo."""
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -159,3 +160,15 @@ def test_the_demo_gives_the_same_greedy_reply(tmp_path):
                                                                 stop_tokens=tokenizer.stop_ids))))
         close(replies[1][0], replies[0][0], ATOL["demo"])
         assert replies[1][1] == replies[0][1]
+
+
+def test_a_bfloat16_checkpoint_runs_in_float32(tmp_path):
+    """The graphs are float32: a checkpoint saved in bfloat16 is run (state and slots) in float32, as torch runs it
+    after .float(), instead of failing at the first graph call."""
+    config = dataclasses.replace(CEDConfig.from_name("tiny"), dtype="bfloat16")
+    CEDForCausalLM.from_ced(config, seed=0).to(torch.bfloat16).save_pretrained(str(tmp_path / "model"))
+    export_engine(tmp_path / "model", tmp_path / "engine", progress=False)
+    ort_engine = OrtCEDEngine(CEDForCausalLM.from_pretrained(str(tmp_path / "model")), tmp_path / "engine", threads=1)
+    torch_engine = CEDEngine(CEDForCausalLM.from_pretrained(str(tmp_path / "model")).float())
+    results = [engine.turn(engine.new_conversation(), tokens(5, 20), None) for engine in (ort_engine, torch_engine)]
+    close(results[0].logits, results[1].logits)
