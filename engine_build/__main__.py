@@ -300,7 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "tokenizer.json, tokenizer_config.json and stats.json (tokens per domain).")
     t.add_argument("--corpus", required=True, help="folder written by the corpus command")
     t.add_argument("--out", required=True, help="output folder")
-    t.add_argument("--vocab-size", type=int, default=8192, help="vocabulary size, 8192..16384 (default: %(default)s)")
+    t.add_argument("--vocab-size", type=int, default=8192,
+                   help="vocabulary size (default: %(default)s, the demo preset's; pretrain sizes the model's "
+                        "embedding to the tokenizer)")
     t.add_argument("--min-frequency", type=int, default=2, help="least count of a merged pair (default: %(default)s)")
     t.add_argument("--no-stats", action="store_true", help="skip counting tokens per domain")
     t.add_argument("--quiet", action="store_true", help="no progress bars")

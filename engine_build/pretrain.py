@@ -21,7 +21,7 @@ import json
 import math
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -256,7 +256,10 @@ def pretrain(cfg: PretrainConfig, corpus_dir: str | Path, tokenizer_dir: str | P
     report_dir, work = out / "pretrain", out / "pretrain" / "work"
     checkpoint = work / "checkpoint"
     data = build_data(cfg, corpus_dir, tokenizer_dir, work / "data.safetensors", progress)
-    model = CEDForCausalLM.from_ced(CEDConfig.from_name(cfg.preset), seed=cfg.seed).float().train()
+    # The embedding is sized to the tokenizer (the preset's vocab_size is the default tokenizer's), so a tokenizer
+    # trained with another --vocab-size works instead of failing inside the first forward.
+    config = replace(CEDConfig.from_name(cfg.preset), vocab_size=load_tokenizer(tokenizer_dir).get_vocab_size())
+    model = CEDForCausalLM.from_ced(config, seed=cfg.seed).float().train()
     optimizer = make_optimizer(model, cfg)
     state = load_checkpoint(checkpoint, model, optimizer, cfg) if checkpoint.exists() else TrainState()
     if state.step:

@@ -76,6 +76,15 @@ def test_pretraining_resumes_to_the_same_state(fixture_corpus, tmp_path):
     assert reloaded.ced == CEDConfig.from_name("tiny")
 
 
+def test_the_model_vocabulary_follows_the_tokenizer(fixture_corpus, tmp_path):
+    corpus, _, _ = fixture_corpus
+    larger = train_tokenizer(corpus, tmp_path / "tokenizer", vocab_size=400, check_vocab=False, progress=False)
+    assert larger.get_vocab_size() > CEDConfig.from_name("tiny").vocab_size
+    pretrain(_tiny_pretrain_config(), corpus, tmp_path / "tokenizer", tmp_path / "out", progress=False)
+    model = CEDForCausalLM.from_pretrained(tmp_path / "out" / "model")
+    assert model.ced.vocab_size == larger.get_vocab_size()
+
+
 def test_peft_adapters_lower_the_loss_and_pass_the_placement_check(fixture_corpus, tmp_path):
     corpus, _, tokenizer = fixture_corpus
     model_dir = tmp_path / "model"
