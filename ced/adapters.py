@@ -51,6 +51,9 @@ def placement_violation(module: str, config: CEDConfig, placement: str = "decode
     every-layer: any layer (the baseline of benchmarks).
     """
     match = _LAYER.match(module)
+    if match is None and _LAYER.match(f"model.{module}"):
+        return (f"module {module!r} lacks the 'model.' prefix: the adapter was made on the inner CEDModel; make it "
+                "on CEDForCausalLM, whose modules are 'model.layers.<i>...'")
     if match is None:
         return f"module {module!r} is not inside a transformer layer (embeddings, final norm and LM head are shared)"
     layer, rest = int(match["layer"]), match["rest"]

@@ -7,6 +7,7 @@ The engine never copies the history per adapter and never recomputes anything ad
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterable, Iterator
@@ -36,7 +37,7 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+        if not (0 <= self.temperature < math.inf and self.top_k >= 0 and 0 < self.top_p <= 1):  # NaN fails too
             raise ValueError(f"bad sampling parameters: {self}")
 
 

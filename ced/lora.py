@@ -73,6 +73,9 @@ def lora_forward_reference(x: Tensor, base: nn.Linear, a: Tensor | None, b_scale
 def wrap_linears(model: nn.Module, include: Callable[[str], bool], n_slots: int, max_rank: int,
                  mapping: LoRAMapping) -> dict[str, MultiLoRALinear]:
     """Replace every nn.Linear whose qualified name passes `include` by a MultiLoRALinear; returns them by name."""
+    if any(isinstance(module, MultiLoRALinear) for module in model.modules()):
+        raise ValueError("this model already has LoRA slots (another engine was built on it): give each engine a "
+                         "model of its own, e.g. CEDForCausalLM.from_pretrained(...) again")
     wrapped = {}
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and include(name):

@@ -191,3 +191,26 @@ def test_register_replace_unload(engine, adapter_dirs):
     engine.adapters.unload("A1")
     assert "A1" not in engine.adapters
     assert all(not m.in_use[record.slot] for m in engine.adapters.modules.values())
+
+
+@pytest.mark.parametrize("values", [{"temperature": float("nan")}, {"temperature": float("inf")},
+                                    {"temperature": -1.0}, {"top_p": 0.0}, {"top_k": -1}])
+def test_bad_sampling_parameters_are_refused(values):
+    from ced.engine import SamplingParams
+
+    with pytest.raises(ValueError, match="bad sampling parameters"):
+        SamplingParams(**values)
+
+
+def test_a_second_engine_on_the_same_model_is_refused(engine):
+    from ced import CEDEngine
+
+    with pytest.raises(ValueError, match="already has LoRA slots"):
+        CEDEngine(engine.model)
+
+
+def test_an_adapter_made_on_the_inner_model_is_told_so(engine, tmp_path):
+    path = write_peft_adapter(tmp_path / "inner", {"layers.4.mlp.up_proj": (torch.randn(2, 64), torch.randn(128, 2))},
+                              r=2, lora_alpha=4)
+    with pytest.raises(PlacementError, match="lacks the 'model.' prefix"):
+        engine.adapters.load("inner", path)
