@@ -82,13 +82,14 @@ def main(argv: list[str] | None = None) -> None:
     add_router_commands(commands)
     from mol2_router.data import RouteDataError
     from python_backend.adapter_set import AdapterSetError
+    from python_backend.launcher import LaunchError
 
     args = parser.parse_args(argv)
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     try:
         args.run(args)
-    except (OSError, RouteDataError, AdapterSetError) as error:  # a missing or malformed input: no traceback
+    except (OSError, RouteDataError, AdapterSetError, LaunchError) as error:  # bad input, failed start: no traceback
         command = " ".join(filter(None, ("mol2", args.command, getattr(args, "router_command", None))))
         raise SystemExit(f"{command}: error: {error}") from None
 

@@ -18,8 +18,12 @@ import sys
 import sysconfig
 import time
 import urllib.request
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+
+RUN_VARIABLE = "MOL2_SERVER_RUN"  # a fresh id per server start, seen by every model process of that run
 
 
 class LaunchError(RuntimeError):
@@ -90,9 +94,21 @@ def server_environment(overrides: dict[str, str] | None = None) -> dict[str, str
     return env
 
 
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex((host, port)) == 0
+
+
 def start(model_repository: Path, ports: Ports, workdir: Path, log_path: Path | None = None,
           extra_args: list[str] = (), env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start tritonserver; `env` adds variables for its model processes (e.g. MOL2_MODEL_DIR)."""
+    """Start tritonserver; `env` adds variables for its model processes (e.g. MOL2_MODEL_DIR). Each start gets a
+    run id of its own (RUN_VARIABLE), by which the conversation store tells an earlier run's locks."""
+    busy = [port for port in (ports.http, ports.grpc, ports.metrics) if port_in_use(ports.host, port)]
+    if busy:  # checked first: the ready probe would otherwise find the other server and report it as ours
+        raise LaunchError(f"port(s) {', '.join(map(str, busy))} on {ports.host} already in use (another server?): "
+                          "stop it or choose other ports (--http-port, --grpc-port, --metrics-port)")
+    env = {RUN_VARIABLE: uuid.uuid4().hex, **(env or {})}
     server = _wheel_root() / "tritonserver" / "bin" / "tritonserver"
     command = [str(server), f"--model-repository={model_repository}",
                f"--backend-directory={backend_directory(workdir / 'backends')}",
@@ -120,13 +136,18 @@ def wait_ready(process: subprocess.Popen, ports: Ports, timeout_s: float = 180.0
 
 
 def stop(process: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    if process.poll() is None:
+    """Stop the server and its whole process group: the model stubs too, even when the server died first."""
+    try:
         os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+    except ProcessLookupError:  # the group is already empty
+        return
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)  # what is left of the group (stubs outliving the server)
+    process.wait()
 
 
 @contextlib.contextmanager
