@@ -76,8 +76,13 @@ def parse_adapter_set(path: str | Path) -> AdapterSet:
         if name in seen:
             raise AdapterSetError(f"{path}: adapter name {name!r} appears twice")
         seen.add(name)
-        adapter_path = (path.parent / item["path"]).resolve()
-        entries.append(AdapterEntry(name, str(adapter_path), str(item["description"])))
+        entry = AdapterEntry(name, str((path.parent / item["path"]).resolve()), str(item["description"]))
+        twin = next((e for e in entries if e.hash == entry.hash), None)
+        if twin is not None:  # the route decision travels as this hash: two entries must never share it
+            same = "the same directory as" if twin.path == entry.path else "a 31-bit path id with"
+            raise AdapterSetError(f"{path}: adapter {name!r} has {same} {twin.name!r} ({entry.path}); give each "
+                                  "adapter of a set a directory of its own")
+        entries.append(entry)
     return AdapterSet(str(raw.get("route_prompt") or ""), tuple(entries))  # "": the head's trained prompt
 
 
@@ -110,16 +115,20 @@ class AdapterSetWatcher:
             return False
 
 
-def sync_registry(registry: AdapterRegistry, adapter_set: AdapterSet, fingerprints: dict[str, str]) -> list[str]:
+def sync_registry(registry: AdapterRegistry, adapter_set: AdapterSet, fingerprints: dict[str, str],
+                  failures: dict[str, str] | None = None) -> list[str]:
     """Make `registry` hold exactly `adapter_set`. `fingerprints` (name -> path + file mtimes) tracks what is
     loaded so a changed adapter directory is replaced. Returns what changed; a bad adapter is reported and
-    skipped (the rest of the set still loads)."""
+    skipped (the rest of the set still loads), and why is kept in `failures` (name -> error) while it stays so."""
+    failures = {} if failures is None else failures
     changes = []
     wanted = {entry.name: entry for entry in adapter_set.adapters}
     for name in [r.name for r in registry.records() if r.name not in wanted]:
         registry.unload(name)
         fingerprints.pop(name, None)
         changes.append(f"unloaded {name}")
+    for name in [name for name in failures if name not in wanted]:
+        del failures[name]
     for name, entry in wanted.items():
         fingerprint = _fingerprint(entry.path)
         if fingerprints.get(name) == fingerprint:
@@ -132,9 +141,11 @@ def sync_registry(registry: AdapterRegistry, adapter_set: AdapterSet, fingerprin
                 registry.load(name, entry.path)
                 changes.append(f"loaded {name}")
             fingerprints[name] = fingerprint
+            failures.pop(name, None)
         except ValueError as error:
             log.error("adapter %s not loaded: %s", name, error)
             changes.append(f"failed {name}: {error}")
+            failures[name] = str(error)
     return changes
 
 

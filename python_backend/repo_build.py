@@ -31,10 +31,18 @@ def _with_parameter(config: str, key: str, value: str) -> str:
     return pattern.sub(line, config) if pattern.search(config) else config.rstrip() + "\n" + line + "\n"
 
 
-def build(adapter_set: Path, repository: Path = TEMPLATES, name: str | None = None) -> list[str]:
-    """Write router_<set>, decode_<set>, route_<set> and mol2_<set> into `repository`; returns the names written."""
+def build(adapter_set: Path, repository: Path = TEMPLATES, name: str | None = None,
+          router_dir: Path | None = None) -> list[str]:
+    """Write router_<set>, decode_<set>, route_<set> and mol2_<set> into `repository`; returns the names written.
+
+    The set's router head: `router_dir`, else a `router/` folder beside the set's file, else the served model's
+    own head (the router model's "auto"), so a set kept anywhere still routes."""
     adapter_set = adapter_set.resolve()
     parse_adapter_set(adapter_set)  # refuse a bad file before writing anything
+    if router_dir is None and (adapter_set.parent / "router" / "config.json").is_file():
+        router_dir = adapter_set.parent / "router"
+    if router_dir is not None and not (Path(router_dir) / "config.json").is_file():
+        raise FileNotFoundError(f"--router-dir {router_dir} holds no router head (config.json)")
     name = name or set_name_of(adapter_set)
     written = []
     for stage in ("router", "decode", "route"):
@@ -45,8 +53,8 @@ def build(adapter_set: Path, repository: Path = TEMPLATES, name: str | None = No
         config = config.replace(f'name: "{stage}"', f'name: "{stage}_{name}"', 1)
         if stage != "route":  # route runs no adapters: it calls the set's router
             config = _with_parameter(config, "adapter_set", str(adapter_set))
-        if stage == "router":
-            config = _with_parameter(config, "router_dir", str(adapter_set.parent / "router"))
+        if stage == "router" and router_dir is not None:
+            config = _with_parameter(config, "router_dir", str(Path(router_dir).resolve()))
         if stage == "route":
             config = _with_parameter(config, "router_model", f"router_{name}")
         (target / "config.pbtxt").write_text(config)
@@ -71,5 +79,7 @@ def add_parser(commands) -> None:
     parser.add_argument("--adapter-set", required=True, type=Path, help="the adapter-set JSON file")
     parser.add_argument("--name", help="the set's name (default: from the file name)")
     parser.add_argument("--repository", type=Path, default=TEMPLATES, help="model repository to write into")
+    parser.add_argument("--router-dir", type=Path, help="the set's router head (default: a router/ folder beside "
+                                                        "the set's file, else the served model's head)")
     parser.set_defaults(run=lambda args: print("wrote", ", ".join(build(args.adapter_set, args.repository,
-                                                                        args.name))))
+                                                                        args.name, args.router_dir))))

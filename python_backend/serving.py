@@ -97,6 +97,7 @@ class Served:
     tokenizer: ChatTokenizer
     watcher: AdapterSetWatcher
     fingerprints: dict
+    load_errors: dict  # adapter name -> why it is in the set but not loaded
 
     @classmethod
     def open(cls, settings: ServingSettings, with_adapters: bool = True) -> "Served":
@@ -104,13 +105,13 @@ class Served:
         engine = make_engine(settings.engine, settings.model_dir, settings.max_adapters, settings.max_rank,
                              settings.engine_dir, settings.threads)
         served = cls(settings, engine, ConversationStore(settings.store_dir, engine.config, settings.idle_timeout_s),
-                     ChatTokenizer(settings.model_dir), AdapterSetWatcher(settings.adapter_set), {})
+                     ChatTokenizer(settings.model_dir), AdapterSetWatcher(settings.adapter_set), {}, {})
         if with_adapters:
-            sync_registry(engine.adapters, served.watcher.current, served.fingerprints)
+            sync_registry(engine.adapters, served.watcher.current, served.fingerprints, served.load_errors)
         return served
 
     def refresh(self) -> list[str]:
         """Take a changed adapter-set file (live configuration): load, replace or unload adapters."""
         if self.watcher.poll():
-            return sync_registry(self.engine.adapters, self.watcher.current, self.fingerprints)
+            return sync_registry(self.engine.adapters, self.watcher.current, self.fingerprints, self.load_errors)
         return []

@@ -137,13 +137,18 @@ class DecodeRequest:
 
 
 class DecodeStage:
-    def __init__(self, engine: CEDEngine, store: ConversationStore, tokenizer: ChatTokenizer):
+    def __init__(self, engine: CEDEngine, store: ConversationStore, tokenizer: ChatTokenizer,
+                 load_errors: dict[str, str] | None = None):
         self.engine, self.store, self.tokenizer = engine, store, tokenizer
+        self.load_errors = {} if load_errors is None else load_errors  # the set's adapters that failed to load
 
     def adapter_for(self, adapter_set: AdapterSet, value: int) -> str | None:
         if value == BASE:
             return None
         entry = adapter_set.by_hash(value)
+        if entry is not None and entry.name in self.load_errors:
+            raise RequestError(f"adapter {entry.name!r} is in the adapter set but failed to load: "
+                               f"{self.load_errors[entry.name]}")
         if entry is None or entry.name not in self.engine.adapters:
             raise RequestError(f"the transfer names adapter hash {value}, which this decode server does not have "
                                "loaded (its adapter set differs from the prefill server's)")

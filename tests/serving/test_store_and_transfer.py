@@ -61,18 +61,38 @@ def test_damaged_and_foreign_records_are_refused(conversation):
 
 def test_store_persists_refuses_busy_and_expires(conversation, tmp_path):
     engine, state = conversation
-    store = ConversationStore(tmp_path, engine.config, idle_timeout_s=60)
+    store = ConversationStore(tmp_path, engine.config, idle_timeout_s=60, run_id="run1")
     store.save("c1", state)
-    reopened = ConversationStore(tmp_path, engine.config)  # a restarted server
+    reopened = ConversationStore(tmp_path, engine.config, run_id="run1")  # another model process of the same run
     assert reopened.load("c1").shared.tokens == state.shared.tokens
     store.begin_turn("c1")
     with pytest.raises(ConversationBusy, match="already has a turn in progress"):
         reopened.begin_turn("c1")
-    assert store.expire(now=time.time() + 3600) == []  # never while a turn runs
+    assert store.expire(now=time.time() + 300) == []  # idle past the timeout, but a turn runs (lock < 600 s old)
     store.end_turn("c1")
-    assert store.expire(now=time.time() + 3600) == ["c1"]
+    assert store.expire(now=time.time() + 300) == ["c1"]
     with pytest.raises(UnknownConversation, match="unknown conversation_id 'c1'"):
         store.load("c1")
+
+
+def test_locks_of_a_dead_turn_do_not_block_or_linger(conversation, tmp_path):
+    engine, state = conversation
+    before_restart = ConversationStore(tmp_path, engine.config, idle_timeout_s=60, run_id="run1")
+    before_restart.save("c1", state)
+    before_restart.begin_turn("c1")         # the server dies mid-turn ...
+    before_restart.begin_turn("never-saved")  # ... also in the first turn of a conversation never stored
+    after_restart = ConversationStore(tmp_path, engine.config, idle_timeout_s=60, run_id="run2")
+    after_restart.begin_turn("c1")           # an earlier run's lock is taken over at once, not after 600 s
+    with pytest.raises(ConversationBusy):
+        ConversationStore(tmp_path, engine.config, run_id="run2").begin_turn("c1")  # this run's lock holds
+    after_restart.end_turn("c1")
+    assert after_restart.expire(now=time.time() + 300) == ["c1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []   # the orphan lock is swept too
+    unmanaged = ConversationStore(tmp_path, engine.config, run_id="")  # a tritonserver not started by our launcher
+    unmanaged.begin_turn("c2")
+    with pytest.raises(ConversationBusy):
+        ConversationStore(tmp_path, engine.config, run_id="").begin_turn("c2")  # only age makes its locks stale
+    assert unmanaged.expire(now=time.time() + 700) == [] and not list(tmp_path.glob("*.lock"))
 
 
 def test_damaged_record_is_dropped_not_loaded(conversation, tmp_path):
@@ -110,3 +130,49 @@ def test_repo_build_writes_one_ensemble_per_set(served_dir, tmp_path):
     assert (repository / "decode_support" / "1" / "model.py").is_file()
     route = (repository / "route_support" / "config.pbtxt").read_text()
     assert 'name: "route_support"' in route and 'string_value: "router_support"' in route
+
+
+def test_a_set_kept_away_from_a_router_head_routes_with_the_models(served_dir, tmp_path):
+    from python_backend.repo_build import build
+
+    elsewhere = tmp_path / "sets" / "two.json"
+    elsewhere.parent.mkdir()
+    elsewhere.write_text((served_dir / "alt_set.json").read_text())
+    build(elsewhere, tmp_path / "repo", name="two")
+    router = (tmp_path / "repo" / "router_two" / "config.pbtxt").read_text()
+    assert 'key: "router_dir" value: { string_value: "auto" }' in router  # not sets/router, which does not exist
+    with pytest.raises(FileNotFoundError, match="holds no router head"):
+        build(elsewhere, tmp_path / "repo2", name="two", router_dir=tmp_path)
+
+
+def test_an_adapter_set_gives_each_entry_its_own_directory(tmp_path):
+    import json
+
+    from python_backend.adapter_set import AdapterSetError, parse_adapter_set
+
+    entries = [{"name": "code", "path": "adapters/coding", "description": "code"},
+               {"name": "code_v2", "path": "adapters/../adapters/coding", "description": "the same weights"}]
+    (tmp_path / "set.json").write_text(json.dumps({"adapters": entries}))
+    with pytest.raises(AdapterSetError, match="'code_v2' has the same directory as 'code'"):
+        parse_adapter_set(tmp_path / "set.json")
+
+
+def test_an_adapter_that_failed_to_load_is_named_with_its_error(engine, adapter_dirs, tmp_path):
+    import json
+
+    from python_backend.adapter_set import parse_adapter_set, sync_registry
+    from python_backend.stages import DecodeStage, RequestError
+
+    entries = [{"name": "A1", "path": adapter_dirs["A1"], "description": "fine"},
+               {"name": "broken", "path": str(tmp_path / "missing"), "description": "no such directory"}]
+    (tmp_path / "set.json").write_text(json.dumps({"adapters": entries}))
+    adapter_set, fingerprints, failures = parse_adapter_set(tmp_path / "set.json"), {}, {}
+    sync_registry(engine.adapters, adapter_set, fingerprints, failures)
+    assert list(failures) == ["broken"] and "does not exist" in failures["broken"]
+    stage = DecodeStage(engine, None, None, failures)
+    assert stage.adapter_for(adapter_set, adapter_set.by_name("A1").hash) == "A1"
+    with pytest.raises(RequestError, match="'broken' is in the adapter set but failed to load: .*does not exist"):
+        stage.adapter_for(adapter_set, adapter_set.by_name("broken").hash)
+    (tmp_path / "set.json").write_text(json.dumps({"adapters": entries[:1]}))
+    sync_registry(engine.adapters, parse_adapter_set(tmp_path / "set.json"), fingerprints, failures)
+    assert failures == {}   # dropped from the set: nothing to report any more

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import queue
+import shutil
 import urllib.error
 import urllib.request
 from functools import partial
@@ -178,7 +179,9 @@ def test_hot_adapter_update_mid_conversation(server, served_dir):
     before = again(b, "chat")
     try:
         updated = json.loads(original)
-        updated["adapters"][0]["path"] = "adapters/coding"  # "chat" now serves the coding adapter's weights
+        copy = served_dir / "adapters" / "coding_copy"   # a set gives each entry a directory of its own
+        shutil.copytree(served_dir / "adapters" / "coding", copy, dirs_exist_ok=True)
+        updated["adapters"][0]["path"] = "adapters/coding_copy"  # "chat" now serves the coding adapter's weights
         set_file.write_text(json.dumps(updated))
         after = again(a, "chat")
         assert after == again(c, "coding") and after != before
