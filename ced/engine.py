@@ -216,7 +216,8 @@ class CEDEngine:
 def sample(logits: Tensor, sampling: SamplingParams, generator: torch.Generator | None = None) -> int:
     if sampling.temperature == 0:
         return int(logits.argmax())
-    probs = (logits.float() / sampling.temperature).softmax(-1)
+    logits = logits.float()
+    probs = ((logits - logits.max()) / sampling.temperature).softmax(-1)  # shifted: a tiny temperature stays finite
     if sampling.top_k:
         kth = probs.topk(min(sampling.top_k, probs.numel())).values[-1]
         probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))

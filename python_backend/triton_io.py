@@ -44,5 +44,9 @@ def json_tensor(pb, name: str, value) -> object:
     return text_tensor(pb, name, json.dumps(value, sort_keys=True))
 
 
-def error_response(pb, message: str):
-    return pb.InferenceResponse(output_tensors=[], error=pb.TritonError(message))
+def error_response(pb, message: str, code: str = "INVALID_ARG"):
+    """A response that carries only an error. `code` is a TritonError code: INVALID_ARG (HTTP 400) for a bad
+    request, the default; INTERNAL (500) for a failure on the server's side."""
+    code_value = getattr(pb.TritonError, code, None)  # absent from stubs older than the codes
+    error = pb.TritonError(message) if code_value is None else pb.TritonError(message, code_value)
+    return pb.InferenceResponse(output_tensors=[], error=error)

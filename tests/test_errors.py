@@ -214,3 +214,10 @@ def test_an_adapter_made_on_the_inner_model_is_told_so(engine, tmp_path):
                               r=2, lora_alpha=4)
     with pytest.raises(PlacementError, match="lacks the 'model.' prefix"):
         engine.adapters.load("inner", path)
+
+
+def test_a_tiny_temperature_samples_the_argmax():
+    from ced.engine import SamplingParams, sample
+
+    logits = torch.tensor([0.5, 2.0, 1.999, -3.0])
+    assert sample(logits, SamplingParams(temperature=1e-38, seed=0), torch.Generator().manual_seed(0)) == 1

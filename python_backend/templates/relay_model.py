@@ -52,7 +52,7 @@ class TritonPythonModel:
         except ValueError as error:
             sender.send(error_response(pb, str(error)), flags=FINAL)
         except Exception as error:  # never leave a client waiting: any failure ends its request with a message
-            sender.send(error_response(pb, f"relay failed: {type(error).__name__}: {error}"), flags=FINAL)
+            sender.send(error_response(pb, f"relay failed: {type(error).__name__}: {error}", "INTERNAL"), flags=FINAL)
 
     def finalize(self):
         self.pool.shutdown(wait=True)

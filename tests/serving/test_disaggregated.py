@@ -5,6 +5,8 @@ Also the route-only model (a client's own routing decision): it answers over HTT
 from __future__ import annotations
 
 import json
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -114,3 +116,8 @@ def test_route_model_answers_over_http_infer_and_writes_nothing(server, served_d
         {"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["x"]},
         {"name": "conversation_id", "shape": [1], "datatype": "BYTES", "data": ["never-started"]}]})
     assert "unknown conversation_id" in unknown["error"]
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/route/infer", method="POST", data=json.dumps(
+        {"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": [""]}]}).encode())
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=60)
+    assert refused.value.code == 400 and "text_input is empty" in refused.value.read().decode()  # the client's fault

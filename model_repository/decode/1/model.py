@@ -5,6 +5,7 @@ With `_return_state` (a disaggregated prefill server's relay) the final state co
 last response of its own, and the store is not touched: the prefill server owns it."""
 
 import json
+import traceback
 
 import numpy as np
 import triton_python_backend_utils as pb
@@ -25,7 +26,8 @@ class TritonPythonModel:
         if not pb.using_decoupled_model_transaction_policy(config):
             raise pb.TritonModelException("decode must be decoupled (model_transaction_policy { decoupled: true })")
         self.served = Served.open(ServingSettings.from_parameters(triton_parameters(config)))
-        self.stage = DecodeStage(self.served.engine, self.served.store, self.served.tokenizer)
+        self.stage = DecodeStage(self.served.engine, self.served.store, self.served.tokenizer,
+                                 self.served.load_errors)
         self.counters = Counters(pb, "decode")
 
     def _parse(self, request) -> tuple[DecodeRequest, bool, str]:
@@ -64,6 +66,11 @@ class TritonPythonModel:
                 self._serve(request, sender)
             except ValueError as error:
                 sender.send(error_response(pb, str(error)), flags=FINAL)
+            except Exception as error:  # a failure of ours: logged in full, the client gets one line, not a traceback
+                pb.Logger.log_error(f"decode failed: {traceback.format_exc()}")
+                self._end_turn_here(request)  # idempotent: the stage may have ended it already
+                sender.send(error_response(pb, f"decode failed: {type(error).__name__}: {error}", "INTERNAL"),
+                            flags=FINAL)
 
     def _end_turn_here(self, request) -> None:
         """A refused turn ends here, unless a disaggregated prefill server holds its lock (it ends it there)."""
