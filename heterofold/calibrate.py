@@ -155,6 +155,8 @@ def v_loss(receiver: Adapter, tg: _Targets, y: torch.Tensor) -> torch.Tensor:
 def calibrate(receiver: Adapter, layer: int, role: str, init: Affine, train: list, held: list, cfg: FitConfig,
               gen: torch.Generator):
     """Train (B, G) for one receiver layer and role; returns (B, G, held-out loss per epoch)."""
+    if not held:  # the held-out loss picks the checkpoint: without it no epoch could ever be kept
+        raise ValueError("calibration needs held-out prompts (none were given)")
     d = init.A.shape[1]
     B = (torch.randn(d, cfg.rank, generator=gen) * cfg.init_std).requires_grad_(True)
     G = torch.zeros(cfg.rank, d, requires_grad=True)

@@ -44,7 +44,8 @@ def cmd_eval(args) -> None:
 
     argv = ["--directions", f"{args.sender}:{args.receiver}", "--split", args.split, "--root", args.root]
     argv += ["--quick"] if args.quick else []
-    for flag, value in (("--json", args.json), ("--methods", args.methods), ("--n-docs", args.n_docs)):
+    for flag, value in (("--json", args.json), ("--plot", args.plot), ("--methods", args.methods),
+                        ("--n-docs", args.n_docs)):
         argv += [flag, str(value)] if value is not None else []
     bench_main(argv)
 
@@ -124,6 +125,7 @@ def main(argv=None) -> None:
     pair_args(e)
     e.add_argument("--quick", action="store_true", help="main methods, small sets (1-2 min)")
     e.add_argument("--json", help="write the table as JSON rows")
+    e.add_argument("--plot", help="the figure (default: ROOT/heterofold_eval.png)")
     e.add_argument("--methods", help="comma list (default: all; see python -m benchmarks.heterofold_eval --help)")
     e.add_argument("--n-docs", type=int, help="evaluation items per task (default 16)")
     e.add_argument("--split", choices=("heldout", "selection"), default="heldout",
@@ -155,7 +157,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     try:
         args.fn(args)
-    except (OSError, ValueError, LaunchError) as error:  # missing, mismatched or too-short input: no traceback
+    except (OSError, ValueError, LaunchError) as error:  # missing, mismatched, damaged or too-short input
         raise SystemExit(f"heterofold {args.cmd}: error: {error}") from None
 
 

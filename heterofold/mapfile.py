@@ -10,6 +10,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .fold import HeteroMap, LayerMap
@@ -66,9 +67,13 @@ def mismatches(expected: dict, got: dict, role: str) -> list[str]:
 def load(path: Path, sender_fp: dict | None = None, receiver_fp: dict | None = None) -> HeteroMap:
     """Load a map; when fingerprints are given, refuse a map fitted for another pair."""
     path = Path(path)
-    meta = json.loads((path / "map.json").read_text())
-    if meta.get("format") != FORMAT:
-        raise MapMismatch(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    try:
+        meta = json.loads((path / "map.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise MapMismatch(f"{path / 'map.json'} is damaged (not JSON: {error}): fit the map again") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise MapMismatch(f"{path}: format {got!r}, expected {FORMAT!r}")
     problems = []
     if sender_fp is not None:
         problems += mismatches(meta["sender"], sender_fp, "sender")
@@ -77,7 +82,15 @@ def load(path: Path, sender_fp: dict | None = None, receiver_fp: dict | None = N
     if problems:
         raise MapMismatch(f"map {path} was fitted for {meta['sender']['family']} -> {meta['receiver']['family']} "
                           f"and does not match this pair: " + "; ".join(problems))
-    t = load_file(path / "map.safetensors")
+    try:
+        t = load_file(path / "map.safetensors")
+    except (SafetensorError, OSError) as error:
+        raise MapMismatch(f"{path / 'map.safetensors'} cannot be read ({error}): fit the map again") from None
+    missing = [f"layers.{i}.{role}.{part}" for i in range(len(meta["layers"])) for role in "kv" for part in "Ab"
+               if f"layers.{i}.{role}.{part}" not in t]
+    if missing:
+        raise MapMismatch(f"{path / 'map.safetensors'} lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}: "
+                          "fit the map again")
     layers = [LayerMap(l["sender_layers"],
                        Affine(t[f"layers.{i}.k.A"], t[f"layers.{i}.k.b"], 1.0),
                        Affine(t[f"layers.{i}.v.A"], t[f"layers.{i}.v.b"], 1.0))

@@ -33,8 +33,12 @@ def parse_direction(text: str) -> tuple[str, str]:
 
 
 def calibration_texts(n_train: int, n_held: int, chars: int = 600, root: Path = ROOT):
-    """Calibration prompts (first `chars` characters of calib-split documents): train and held-out parts."""
+    """Calibration prompts (first `chars` characters of calib-split documents): train and held-out parts. Both must
+    be non-empty (the held-out part picks the calibration checkpoint) and fit in the split."""
     docs = [d[:chars] for d in corpus.build(root / "corpus.json")["calib"] if len(d) >= 200]
+    if n_train < 1 or n_held < 1 or n_train + n_held > len(docs):
+        raise ValueError(f"asked for {n_train} calibration + {n_held} held-out prompts; the calib split holds "
+                         f"{len(docs)}: both at least 1, together at most {len(docs)}")
     return docs[:n_train], docs[n_train:n_train + n_held]
 
 
@@ -81,6 +85,8 @@ def continue_from_capture(m, cap, sender_ends, r: ZooModel, text: str, max_new: 
 def apply_map_ids(path: Path, s: ZooModel, r: ZooModel, text: str, max_new: int = 24) -> list[int]:
     """Sender prefills `text`; the receiver continues from the mapped cache (no receiver prefill): new token ids."""
     m = load_map(path, s, r)
+    if not text.strip():
+        raise ValueError("the text is empty: the sender has nothing to prefill")
     s_ids, s_ends = s.tok.encode(text)
     return continue_from_capture(m, s.adapter.capture(s_ids), s_ends, r, text, max_new)
 

@@ -112,6 +112,8 @@ def load(family: str, root: Path = ROOT, seed: int = 0) -> ZooModel:
     """Load a trained zoo model (never trains). The entry's own `spec.json` wins over the preset when present, so
     a zoo of other sizes (e.g. the tests' tiny pair) loads through the same path."""
     out = Path(root) / "zoo" / family
+    if family not in FAMILIES and not (out / "spec.json").exists():
+        raise ValueError(f"unknown model family {family!r}: the zoo has {', '.join(sorted(FAMILIES))}")
     if not (out / "model.safetensors").exists():
         raise FileNotFoundError(f"no zoo model {family!r} under {Path(root) / 'zoo'}: run `heterofold fit` "
                                 f"(it trains the zoo on first use)")

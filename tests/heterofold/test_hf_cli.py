@@ -89,3 +89,13 @@ def test_zoo_steps_must_be_positive(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--zoo-steps", "0", "fit", "--sender", "llama", "--receiver", "qwen3"])
     assert e.value.code == 2 and "not a positive number of steps" in capsys.readouterr().err
+
+
+def test_apply_on_an_empty_text_and_an_unknown_family_say_so(served_root):
+    from heterofold import zoo
+
+    with pytest.raises(SystemExit) as e:
+        main(["--root", str(served_root), "apply", "--sender", "llama", "--receiver", "qwen3", "  "])
+    assert str(e.value.code) == "heterofold apply: error: the text is empty: the sender has nothing to prefill"
+    with pytest.raises(ValueError, match="unknown model family 'gpt2': the zoo has llama, mistral, qwen3"):
+        zoo.load("gpt2", served_root)

@@ -27,3 +27,40 @@ def test_roundtrip_and_mismatch_refusal(tmp_path, tiny_models, tokenizers, texts
     other = dict(r_fp, config_hash="0" * 16)
     with pytest.raises(mapfile.MapMismatch, match="receiver config_hash"):
         mapfile.load(tmp_path / "map", s_fp, other)
+
+
+def test_a_damaged_map_is_named_not_a_traceback(tmp_path, tiny_models, tokenizers, texts):
+    import shutil
+
+    S, R = tiny_models["llama"], tiny_models["qwen3"]
+    samples = collect(S, R, tokenizers["llama"], tokenizers["qwen3"], texts[:8])
+    m, _ = fit(S, R, samples[:6], samples[6:], FitConfig(epochs=1, calibrate_k=False, calibrate_v=False),
+               progress=False)
+    mapfile.save(m, tmp_path / "good", {}, {}, "calib-hash")
+    for damage, message in (("map.json", "map.json is damaged"), ("map.safetensors", "map.safetensors cannot be read")):
+        bad = tmp_path / damage
+        shutil.copytree(tmp_path / "good", bad)
+        (bad / damage).write_bytes((bad / damage).read_bytes()[:20])
+        with pytest.raises(mapfile.MapMismatch, match=message):
+            mapfile.load(bad)
+
+
+def test_calibration_without_held_out_prompts_is_refused(tiny_models, tokenizers, texts):
+    S, R = tiny_models["llama"], tiny_models["qwen3"]
+    samples = collect(S, R, tokenizers["llama"], tokenizers["qwen3"], texts[:4])
+    with pytest.raises(ValueError, match="calibration needs held-out prompts"):
+        fit(S, R, samples, [], FitConfig(epochs=1), progress=False)
+
+
+def test_calibration_prompts_must_fit_in_the_split(tmp_path):
+    import json
+
+    from heterofold.pipeline import calibration_texts
+
+    docs = [f"document {i} " + "text " * 60 for i in range(10)]
+    (tmp_path / "corpus.json").write_text(json.dumps({"train": [], "calib": docs, "heldout": []}))
+    train, held = calibration_texts(8, 2, root=tmp_path)
+    assert len(train) == 8 and len(held) == 2
+    for n_train, n_held in ((9, 2), (10, 0), (0, 2)):
+        with pytest.raises(ValueError, match="the calib split holds 10"):
+            calibration_texts(n_train, n_held, root=tmp_path)
