@@ -28,6 +28,12 @@ MOL_PROMPT = ("Pick the adapter that should answer the request above. Options:\n
               "Answer with the option name, then a short reason.")
 
 
+def name_pattern(name: str) -> re.Pattern:
+    """A candidate's name as a whole word of decoded text; lookarounds, not \\b, so that names that begin or end in
+    punctuation ("c++", ".net") match too."""
+    return re.compile(rf"(?<!\w){re.escape(name)}(?!\w)", re.IGNORECASE)
+
+
 class MoLRouter:
     def __init__(self, engine, tokenizer: RouteTokenizer, candidates: Sequence[Candidate], adapter: str | None = "random_l0",
                  max_tokens: int = 64):
@@ -38,7 +44,7 @@ class MoLRouter:
         options = "\n".join(f"- {c.name}: {c.description}" for c in self.candidates)
         self.prompt = [USER] + tokenizer.encode(MOL_PROMPT.format(options=options)) + [END, ASSISTANT]
         self.sampling = SamplingParams(temperature=0.0)
-        self._names = [re.compile(rf"\b{re.escape(c.name)}\b", re.IGNORECASE) for c in self.candidates]
+        self._names = [name_pattern(c.name) for c in self.candidates]
 
     def parse(self, text: str) -> int:
         """Index of the candidate named first in the decoded text, -1 when none is."""

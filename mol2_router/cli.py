@@ -13,7 +13,6 @@ Every command works on the demo model: the trained one in artifacts/demo when it
 from __future__ import annotations
 
 import argparse
-import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -53,6 +52,12 @@ def cmd_extract(args) -> None:
         print(kind, {name: len(rs) for name, rs in sets.items()})
 
 
+def _at_least_one(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
 def _limits(items: list[str] | None) -> dict[str, int]:
     """["generic.train=2400", ...] -> {"generic.train": 2400}."""
     out = {}
@@ -77,12 +82,12 @@ def cmd_train(args) -> None:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Accuracy per split: overall, per class (label) for domain splits, and per source."""
+    """Accuracy per split: overall, per class (label) for domain splits and a user's file, and per source."""
     out, groups = [], defaultdict(list)
     for r in rows:
         groups[(r["split"], "all", "all")].append(r["correct"])
         groups[(r["split"], "source", r["source"])].append(r["correct"])
-        if r["split"].startswith("domain"):
+        if r["split"].startswith("domain") or r["split"] == "user":
             groups[(r["split"], "class", r["label"])].append(r["correct"])
     for (split, by, key), hits in sorted(groups.items()):
         out.append({"split": split, "by": by, "group": key, "n": len(hits), "accuracy": sum(hits) / len(hits)})
@@ -100,24 +105,13 @@ def cmd_eval(args) -> None:
     demo = _demo(args)
     folder = Path(args.head) if args.head else run_dir(demo, args.kind, args.mode, args.seed) / args.checkpoint
     if args.data_file:  # a user's own file, same format
-        rows = _evaluate_file(demo, folder, args.data_file)
+        from .data import read_questions
+
+        read_questions(args.data_file)  # validate first: a bad line is named before any work
+        rows = evaluate_run(demo, None, folder, splits=("user",), files={"user": Path(args.data_file)})
     else:
-        rows = evaluate_run(demo, args.data, args.kind, folder)
+        rows = evaluate_run(demo, args.data, folder)
     print(markdown_table(summarize(rows), ["split", "by", "group", "n", "accuracy"]))
-
-
-def _evaluate_file(demo, folder, path) -> list[dict]:
-    import shutil
-    import tempfile
-
-    from .data import read_questions
-    from .pipeline import evaluate_run
-
-    read_questions(path)  # validate first: a bad line is named before any work
-    with tempfile.TemporaryDirectory() as tmp:
-        shutil.copyfile(path, Path(tmp) / "user.jsonl")
-        kind = json.loads((Path(folder) / "config.json").read_text())["kind"]
-        return evaluate_run(demo, tmp, kind, folder, splits=("user",))
 
 
 def cmd_export(args) -> None:
@@ -184,7 +178,7 @@ def add_router_commands(commands) -> None:
     q.add_argument("--kind", choices=("mol2", "contextual"), default="mol2")
     q.add_argument("--modes", nargs="+", default=["A", "B", "C"], choices=("A", "B", "C"))
     q.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    q.add_argument("--epochs", type=int, default=30, help="per stage (default: %(default)s, the seed's)")
+    q.add_argument("--epochs", type=_at_least_one, default=30, help="per stage (default: %(default)s, the seed's)")
     q.add_argument("--batch-size", type=int, default=256)
     q.add_argument("--limit", nargs="*", metavar="SPLIT=N", help="questions kept per split (added to the defaults)")
     q.set_defaults(run=cmd_train)

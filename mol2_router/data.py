@@ -62,6 +62,17 @@ class Question:
         return record
 
 
+NOT_TEXT = "{field} holds an unpaired surrogate (a lone \\ud800-\\udfff escape), which is not text"
+
+
+def _is_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 def parse_question(record: object, where: str, max_description_chars: int = MAX_DESCRIPTION_CHARS) -> Question:
     def refuse(message: str):
         raise RouteDataError(f"{where}: {message}")
@@ -74,6 +85,8 @@ def parse_question(record: object, where: str, max_description_chars: int = MAX_
     query, candidates, label = record["query"], record["candidates"], record["label"]
     if not isinstance(query, str) or not query.strip():
         refuse("query must be a non-empty string")
+    if not _is_text(query):
+        refuse(NOT_TEXT.format(field="query"))
     if len(query) > MAX_QUERY_CHARS:
         refuse(f"query of {len(query)} characters is over the limit of {MAX_QUERY_CHARS}")
     if not isinstance(candidates, list) or not candidates:
@@ -87,6 +100,8 @@ def parse_question(record: object, where: str, max_description_chars: int = MAX_
         description = c.get("description", "")
         if not isinstance(description, str):
             refuse(f"candidate {c['name']!r}: description must be a string")
+        if not (_is_text(c["name"]) and _is_text(description)):
+            refuse(NOT_TEXT.format(field=f"candidate {i}"))
         if len(description) > max_description_chars:
             refuse(f"candidate {c['name']!r}: description of {len(description)} characters is over the limit of "
                    f"{max_description_chars}")
@@ -103,11 +118,16 @@ def parse_question(record: object, where: str, max_description_chars: int = MAX_
 def read_questions(path: str | Path, max_description_chars: int = MAX_DESCRIPTION_CHARS) -> list[Question]:
     path = Path(path)
     questions = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise RouteDataError(f"{where}: not UTF-8 (byte {raw[error.start]:#04x} at column {error.start + 1})"
+                                     ) from None
             if not line.strip():
                 continue
-            where = f"{path}:{number}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:

@@ -27,6 +27,14 @@ from .config import RouterConfig
 NEG_INF = float("-inf")
 
 
+
+def _spread(rows: Tensor) -> Tensor:
+    """Per-column std of (n, C) rows for standardizing; a single row (std undefined) counts as spread 0, and the
+    clamp keeps the scale finite."""
+    rows = rows.float()
+    return (rows.std(0) if len(rows) > 1 else torch.zeros(rows.shape[1:])).clamp(min=1e-6)
+
+
 class MLPBlock(nn.Module):
     """x + down(gelu(up(norm(x))))."""
 
@@ -160,7 +168,7 @@ class PointerHead(nn.Module):
     def set_query_stats(self, pooled_h19: Tensor) -> None:
         """Standardize queries with the mean and std of training queries (n, C)."""
         self.query_shift.copy_(pooled_h19.float().mean(0))
-        self.query_scale.copy_(1.0 / pooled_h19.float().std(0).clamp(min=1e-6))
+        self.query_scale.copy_(1.0 / _spread(pooled_h19))
 
     def query(self, pooled_h19: Tensor) -> Tensor:
         """pooled H19 (B, C) -> (B, d)."""
@@ -264,10 +272,10 @@ class QKHead(nn.Module):
     def set_query_stats(self, query: Tensor, options: Tensor | None = None) -> None:
         """Standardize queries (n, C) and options (m, C) with the training data's mean and std."""
         self.q_shift.copy_(query.float().mean(0))
-        self.q_scale.copy_(1.0 / query.float().std(0).clamp(min=1e-6))
+        self.q_scale.copy_(1.0 / _spread(query))
         if options is not None:
             self.k_shift.copy_(options.float().mean(0))
-            self.k_scale.copy_(1.0 / options.float().std(0).clamp(min=1e-6))
+            self.k_scale.copy_(1.0 / _spread(options))
 
 
 def count_parameters(module: nn.Module) -> int:

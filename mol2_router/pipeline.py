@@ -97,16 +97,18 @@ def evenly(questions: list[Question], n: int | None) -> list[int]:
     return sorted({int(i * len(questions) / n) for i in range(n)})
 
 
-def load_sets(model, demo: Demo, data_dir: str | Path, kind: str, config: RouterConfig,
+def load_sets(model, demo: Demo, data_dir: str | Path | None, kind: str, config: RouterConfig,
               splits=SPLITS + OPTIONAL_SPLITS, limits: dict[str, int] | None = None, progress: bool = True,
-              log=print) -> dict[str, RouteSet]:
+              log=print, files: dict[str, Path] | None = None) -> dict[str, RouteSet]:
+    """Each split's questions (`data_dir`/SPLIT.jsonl, or `files[SPLIT]`) with their cached H19 features."""
     tok = RouteTokenizer(demo.tokenizer)
     cache = WORK / "features" / demo.tag
     sets = {}
     for split in splits:
-        if split in OPTIONAL_SPLITS and not (Path(data_dir) / f"{split}.jsonl").exists():
+        path = Path(files[split]) if files and split in files else Path(data_dir) / f"{split}.jsonl"
+        if split in OPTIONAL_SPLITS and not path.exists():
             continue
-        questions = read_questions(Path(data_dir) / f"{split}.jsonl")
+        questions = read_questions(path)
         keep = evenly(questions, (limits or {}).get(split))
         questions = [questions[i] for i in keep]
         feats = cached_features(model, demo.model_dir, tok, questions, cache, kind, config.max_option_tokens,
@@ -194,13 +196,15 @@ def train_runs(demo: Demo, data_dir: str | Path, kind: str, modes, seeds, epochs
     return rows
 
 
-def evaluate_run(demo: Demo, data_dir: str | Path, kind: str, folder: str | Path, splits=SPLITS + OPTIONAL_SPLITS,
-                 progress: bool = False) -> list[dict]:
-    """Per-question predictions of one saved head: [{split, source, label, predicted, correct}]."""
+def evaluate_run(demo: Demo, data_dir: str | Path | None, folder: str | Path, splits=SPLITS + OPTIONAL_SPLITS,
+                 progress: bool = False, files: dict[str, Path] | None = None) -> list[dict]:
+    """Per-question predictions of one saved head (its kind read from the head's config.json):
+    [{split, source, label, predicted, correct}]. `files` evaluates a file of one's own as a split."""
     head, config, meta = load_head(folder)
+    kind = meta["kind"]
     model = load_model(demo.model_dir)
     limits = meta.get("limits", default_limits(kind)) if set(splits) <= set(SPLITS + OPTIONAL_SPLITS) else None
-    sets = load_sets(model, demo, data_dir, kind, config, splits, limits, progress=progress, log=None)
+    sets = load_sets(model, demo, data_dir, kind, config, splits, limits, progress=progress, log=None, files=files)
     table = OptionTable(RouteTokenizer(demo.tokenizer), config.max_option_tokens) if kind == "mol2" else None
     scorer = Scorer(head, model.model.embed_tokens.weight.detach().float() if kind == "mol2" else None)
     out = []

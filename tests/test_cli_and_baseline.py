@@ -36,11 +36,25 @@ def test_baseline_switch_is_a_full_recompute(adapter_dirs, tiny_model):
 def test_cli_reports_bad_input_without_a_traceback(tmp_path):
     bad = tmp_path / "mine.jsonl"
     bad.write_text('{"query": "hi", "candidates": [], "label": "chat"}\n')
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"query": "hi", "candidates": [{"name": "chat", "description": "talk"}], "label": "chat"}\n')
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(good.read_bytes().replace(b'"hi"', b'"h\xe9"'))
     cases = [(["router", "eval", "--data-file", str(bad)], f"mol2 router eval: error: {bad}:1: empty candidate list"),
              (["router", "eval", "--data", str(bad)], "mol2 router eval: error: --data takes the routing-data folder"),
              (["router", "eval", "--head", str(tmp_path)], f"mol2 router eval: error: no router head in {tmp_path}"),
+             (["router", "eval", "--data-file", str(latin1), "--head", str(tmp_path)],
+              f"mol2 router eval: error: {latin1}:1: not UTF-8 (byte 0xe9 at column 13)"),
+             (["router", "eval", "--data-file", str(good), "--head", str(tmp_path)],
+              f"mol2 router eval: error: no router head in {tmp_path}"),
              (["repo", "build", "--adapter-set", str(tmp_path / "none.json")], "mol2 repo: error: adapter-set file")]
     for argv, message in cases:
         with pytest.raises(SystemExit) as exit_info:
             main(argv)
         assert str(exit_info.value.code).startswith(message)
+
+
+def test_router_training_needs_an_epoch(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["router", "train", "--epochs", "0"])
+    assert exit_info.value.code == 2 and "'0' is not a whole number of at least 1" in capsys.readouterr().err

@@ -32,6 +32,9 @@ def write(tmp_path, records):
     ({**GOOD, "candidates": [{"name": "agent"}, {"name": "agent"}]}, "duplicate candidate names"),
     ({"candidates": GOOD["candidates"], "label": "agent"}, "missing field"),
     ("{not json", "not valid JSON"),
+    (json.dumps({**GOOD, "query": "a \ud800 b"}), "query holds an unpaired surrogate"),      # stays a \\ud800 escape
+    (json.dumps({**GOOD, "candidates": [{"name": "agent", "description": "\udc00"}, {"name": "chat"}]}),
+     "candidate 0 holds an unpaired surrogate"),
 ])
 def test_bad_questions_are_refused_naming_the_line(tmp_path, bad, message):
     path = write(tmp_path, [GOOD, GOOD, bad])

@@ -90,3 +90,17 @@ def test_over_long_options_are_refused():
     embeds, mask = _options(2, 9)
     with pytest.raises(ValueError, match="max_option_tokens=8"):
         head(torch.randn(1, 64), embeds, mask)
+
+
+def test_query_statistics_of_a_single_training_question_are_finite():
+    head = PointerHead(RouterConfig.from_name("tiny"))
+    head.set_query_stats(torch.randn(1, 64))
+    assert torch.isfinite(head.query_scale).all() and torch.isfinite(head.query(torch.randn(2, 64))).all()
+
+
+def test_mol_reads_names_that_end_in_punctuation():
+    from mol2_router.baselines import name_pattern
+
+    assert name_pattern("c++").search("I pick C++ because it is code")
+    assert name_pattern(".net").search("use .net here")
+    assert not name_pattern("chat").search("chatter")          # still whole names only
