@@ -220,7 +220,7 @@ class AdapterRecord:
     slot: int
     rank: int
     modules: tuple[str, ...]
-    digest: str  # of the adapter's files: windows built under other weights of the same name are stale
+    digest: str  # of its weights (PeftAdapter.digest): windows built under other weights of this name are stale
 
 
 class AdapterRegistry:
