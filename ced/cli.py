@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--artifacts", type=Path, default=None,
-                   help="a demo folder (model/ + adapters/); default: models/demo if trained, else the untrained "
-                        "demo built under artifacts/demo-untrained")
+                   help="a demo folder (model/ + adapters/), or a new folder to build an untrained demo in; default: "
+                        "models/demo if trained, else the untrained demo built under artifacts/demo-untrained")
     p.set_defaults(run=chat)
     from python_backend.repo_build import add_parser as add_repo
     from python_backend.serve_cli import add_parser as add_serve

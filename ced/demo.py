@@ -76,7 +76,15 @@ def trained_demo(root: Path = TRAINED_ROOT) -> DemoArtifacts | None:
 
 
 def demo_artifacts(root: Path | None = None) -> DemoArtifacts:
-    """The trained demo when it is there (or the folder given), else the untrained one (built on first use)."""
-    if root is not None:
-        return trained_demo(root) or untrained_demo(root)
-    return trained_demo() or untrained_demo()
+    """The trained demo when it is there (or the folder given), else the untrained one (built on first use). A
+    folder given that holds something else is refused rather than filled with an untrained demo."""
+    if root is None:
+        return trained_demo() or untrained_demo()
+    root = Path(root)
+    found = trained_demo(root)
+    if found is not None:
+        return found
+    if root.is_dir() and any(root.iterdir()) and not (root / "READY").exists():
+        raise FileNotFoundError(f"{root} holds no demo (model/config.json and adapters/): name a folder built by "
+                                "`python -m engine_build demo` (its ROOT/demo), or a new folder for an untrained demo")
+    return untrained_demo(root)

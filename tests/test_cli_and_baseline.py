@@ -16,6 +16,12 @@ def test_chat_demo_prints_replay_and_bytes(tmp_path, capsys):
     replayed = [int(row[4]) for row in rows]
     assert all(0 < r <= 128 for r in replayed) and replayed[-1] == 128
     assert "untrained" in out
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "notes.txt").write_text("not a demo")
+    with pytest.raises(SystemExit) as exit_info:          # a wrong folder is refused, not filled with a demo
+        main(["chat", "--artifacts", str(tmp_path / "elsewhere")])
+    assert str(exit_info.value.code).startswith(f"mol2 chat: error: {tmp_path / 'elsewhere'} holds no demo")
+    assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == ["notes.txt"]
 
 
 def test_baseline_switch_is_a_full_recompute(adapter_dirs, tiny_model):
