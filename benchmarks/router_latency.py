@@ -39,12 +39,12 @@ def percentile(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-def corpus_tokens(tokenizer, corpus: Path, limit: int = 20000) -> list[int]:
+def corpus_tokens(tokenizer, artifacts: Path, limit: int = 20000) -> list[int]:
     """A long stream of real text tokens (the held-out domain benchmark's queries, then corpus valid text)."""
     import json
 
     texts = []
-    bench = Path("artifacts/router/data/domain.bench.jsonl")
+    bench, corpus = artifacts / "router" / "data" / "domain.bench.jsonl", artifacts / "corpus"
     if bench.exists():
         texts += [json.loads(line)["query"] for line in bench.open()]
     for domain in ("chat", "agent", "coding", "design", "general"):
@@ -89,7 +89,9 @@ def build_routers(engine, demo, tokenizer, candidates, mol_tokens: int):
     return routers, notes
 
 
-def measure(engine, routers, stream: list[int], per_bucket: int, mol2_repeats: int, seed: int) -> list[dict]:
+def measure(engine, routers, stream: list[int], per_bucket: int, seed: int) -> list[dict]:
+    """One timed decision per router per sample, as a served turn makes (a repeated decision on the same H19 would
+    find the head warm in the CPU caches: measured, repeats 2-5 took about half the first one's time)."""
     from mol2_router.features import ASSISTANT, BOS, END, USER
 
     rng = random.Random(seed)
@@ -114,14 +116,13 @@ def measure(engine, routers, stream: list[int], per_bucket: int, mol2_repeats: i
         order = ROUTERS[i % 3:] + ROUTERS[: i % 3]
         for name in order:
             router = routers[name]
-            for _ in range(mol2_repeats if name == "mol2" else 1):
-                started = time.perf_counter()
-                if name == "mol2":
-                    router.decide(h19, state=state)
-                else:
-                    router.decide(state, h19)
-                records.append({"router": name, "bucket": bucket, "tokens": len(tokens),
-                                "ms": (time.perf_counter() - started) * 1e3})
+            started = time.perf_counter()
+            if name == "mol2":
+                router.decide(h19, state=state)
+            else:
+                router.decide(state, h19)
+            records.append({"router": name, "bucket": bucket, "tokens": len(tokens),
+                            "ms": (time.perf_counter() - started) * 1e3})
     return records
 
 
@@ -172,7 +173,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--quick", action="store_true", help="one sample per bucket, short MoL decode (1-2 min)")
     parser.add_argument("--samples-per-bucket", type=int, default=8)
     parser.add_argument("--mol-tokens", type=int, default=64, help="MoL's label + reason budget (seed: 64)")
-    parser.add_argument("--mol2-repeats", type=int, default=5, help="MoL2 decisions timed per sample")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--artifacts", default="artifacts")
@@ -191,8 +191,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     engine = demo_engine(demo, args.artifacts)
     tokenizer = RouteTokenizer(demo.tokenizer)
     routers, notes = build_routers(engine, demo, tokenizer, adapter_candidates(demo.adapters_dir), args.mol_tokens)
-    stream = corpus_tokens(tokenizer, Path(args.artifacts) / "corpus")
-    records = measure(engine, routers, stream, args.samples_per_bucket, args.mol2_repeats, args.seed)
+    stream = corpus_tokens(tokenizer, Path(args.artifacts))
+    records = measure(engine, routers, stream, args.samples_per_bucket, args.seed)
     rows = summarize(records)
     print(f"\nbackbone: {demo.model_dir} ({'trained' if demo.trained else 'untrained, seeded random weights'}); "
           f"threads={args.threads}; MoL decodes up to {args.mol_tokens} tokens under random_l0")
