@@ -7,6 +7,26 @@ import statistics
 from pathlib import Path
 
 
+def add_plot_option(parser, default: str) -> None:
+    """--plot PATH; its default gets a _quick suffix with --quick (`plot_path`), so a smoke run never replaces the
+    figure of a full run."""
+    parser.add_argument("--plot", default=None, help=f"PNG path (default: {default}; with --quick, "
+                                                     f"{quick_name(default)})")
+    parser.set_defaults(plot_default=default)
+
+
+def quick_name(path: str) -> str:
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}_quick{p.suffix}"))
+
+
+def plot_path(args) -> str:
+    """The figure's path: --plot, else the benchmark's default (its _quick variant with --quick)."""
+    if args.plot is not None:  # given, "" included (no figure where the benchmark allows that)
+        return args.plot
+    return quick_name(args.plot_default) if getattr(args, "quick", False) else args.plot_default
+
+
 def median_spread(samples: list[float]) -> tuple[float, float, float]:
     """(median, min, max) of a list of timings."""
     return statistics.median(samples), min(samples), max(samples)

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from ced.engines import make_engine
 
-from ._report import markdown_table, median_spread, save_figure, write_json
+from ._report import add_plot_option, markdown_table, median_spread, plot_path, save_figure, write_json
 
 COLUMNS = ["engine", "phase", "tokens", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "ms", "ms_min",
            "ms_max", "speedup_vs_torch"]
@@ -115,8 +115,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--onnx-dir", type=Path, help="built ONNX engine (default: exported once and cached)")
     parser.add_argument("--trt-dir", type=Path, help="built TensorRT engine: adds a tensorrt row (GPU)")
     parser.add_argument("--json", help="write the table as JSON rows here")
-    parser.add_argument("--plot", default="artifacts/benchmarks/engine_speed.png", help="PNG path")
+    add_plot_option(parser, "artifacts/benchmarks/engine_speed.png")
     args = parser.parse_args(argv)
+    args.plot = plot_path(args)
     torch.set_num_threads(args.threads)
     context = args.context or (512 if args.quick else 2048)
     n_decode = args.decode or (16 if args.quick else 64)

@@ -87,7 +87,8 @@ def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="one direction, main methods, small sets (1-2 min)")
     p.add_argument("--json", help="write the rows as a JSON list")
-    p.add_argument("--plot", type=Path, help="the figure (default: ROOT/heterofold_eval.png)")
+    p.add_argument("--plot", type=Path, help="the figure (default: ROOT/heterofold_eval.png; with --quick, "
+                                             "ROOT/heterofold_eval_quick.png)")
     p.add_argument("--directions", type=lambda text: [parse_direction(d) for d in text.split(",")],
                    help="comma list of SENDER:RECEIVER (default: all six)")
     p.add_argument("--methods", type=lambda text: text.split(","),
@@ -142,7 +143,7 @@ def main(argv=None) -> list[dict]:
         print("\nEach method against HeteroFold on the same items (its mean minus HeteroFold's; "
               "> 0: HeteroFold lower):")
         print(gap_table(rows))
-    figure = args.plot or args.root / "heterofold_eval.png"
+    figure = args.plot or args.root / ("heterofold_eval_quick.png" if args.quick else "heterofold_eval.png")
     figure.parent.mkdir(parents=True, exist_ok=True)
     plot(rows, figure)
     print(f"plot: {figure}")

@@ -24,6 +24,7 @@ from heterofold.baselines import fit_method
 from heterofold.pipeline import collect_direction, parse_direction
 from heterofold.zoo import ROOT, load_zoo
 
+from ._report import add_plot_option, plot_path
 from .heterofold_eval import markdown
 
 COLUMNS = ["context_tokens", "method", "receiver_ms", "receiver_p25_ms", "receiver_p75_ms", "tokenize_ta_ms",
@@ -86,12 +87,13 @@ def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="1K and 4K tokens, 3 repetitions")
     p.add_argument("--json")
-    p.add_argument("--plot", default="artifacts/heterofold/heterofold_latency.png")
+    add_plot_option(p, "artifacts/heterofold/heterofold_latency.png")
     p.add_argument("--direction", type=parse_direction, default=("llama", "qwen3"), help="SENDER:RECEIVER")
     p.add_argument("--lengths", default=None, help="comma list of context lengths (default 1024,4096,16384)")
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
+    args.plot = plot_path(args)
     torch.set_num_threads(args.threads)
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else (
         [1024, 4096] if args.quick else [1024, 4096, 16384])

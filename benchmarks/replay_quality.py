@@ -214,10 +214,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--hidden-samples", type=int, default=12,
                         help="text windows averaged per context length (one window's error varies ±20-30%% with its text)")
     parser.add_argument("--json", help="write the pair table as JSON rows here")
-    parser.add_argument("--out", default="artifacts/benchmarks", help="folder for the PNG figures and tables")
+    parser.add_argument("--out", help="folder for the PNG figures and tables (default: artifacts/benchmarks; with "
+                                      "--quick, artifacts/benchmarks/quick)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    out = Path(args.out)
+    out = Path(args.out or ("artifacts/benchmarks/quick" if args.quick else "artifacts/benchmarks"))
 
     engine, adapters, stream, trained = load(args)
     sizes = (256, 64, 16, 64) if args.quick else (1024, 256, 32, 256)  # input, reply, new turn, continuation

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ._report import markdown_table, paired_difference, save_figure, write_json
+from ._report import add_plot_option, markdown_table, paired_difference, plot_path, save_figure, write_json
 
 COLUMNS = ["router", "mode", "checkpoint", "split", "accuracy", "std", "seeds", "n"]
 
@@ -200,8 +200,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--kinds", nargs="+", default=["mol2", "contextual"], choices=("mol2", "contextual"))
     parser.add_argument("--splits", nargs="+", default=None, help="only these splits (default: all)")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--plot", default="artifacts/benchmarks/router_accuracy.png")
+    add_plot_option(parser, "artifacts/benchmarks/router_accuracy.png")
     args = parser.parse_args(argv)
+    args.plot = plot_path(args)
     torch.set_num_threads(args.threads)
     if args.quick:
         args.harness_per_class, args.mol_tokens = 3, min(args.mol_tokens, 16)

@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import torch
 
-from ._report import markdown_table, save_figure, write_json
+from ._report import add_plot_option, markdown_table, plot_path, save_figure, write_json
 
 COLUMNS = ["group", "ratio", "generic_n", "domain_n", "generic.test", "domain.train", "domain.bench", "train_s"]
 
@@ -49,8 +49,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--artifacts", default="artifacts")
     parser.add_argument("--data", default="artifacts/router/data")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--plot", default="artifacts/benchmarks/router_data_scaling.png")
+    add_plot_option(parser, "artifacts/benchmarks/router_data_scaling.png")
     args = parser.parse_args(argv)
+    args.plot = plot_path(args)
     torch.set_num_threads(args.threads)
     if args.quick:
         args.ratios, args.generic_share, args.epochs = [0.0, 0.2, 1.0], 0.15, 2

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ._report import markdown_table, save_figure, write_json
+from ._report import add_plot_option, markdown_table, plot_path, save_figure, write_json
 
 BUCKETS = [(1, 64), (65, 256), (257, 1024), (1025, 4096)]
 ROUTERS = ["mol2", "contextual", "mol"]
@@ -177,8 +177,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--artifacts", default="artifacts")
     parser.add_argument("--json", default=None, help="write the table rows as JSON")
-    parser.add_argument("--plot", default="artifacts/benchmarks/router_latency.png")
+    add_plot_option(parser, "artifacts/benchmarks/router_latency.png")
     args = parser.parse_args(argv)
+    args.plot = plot_path(args)
     torch.set_num_threads(args.threads)
     if args.quick:
         args.samples_per_bucket, args.mol_tokens = 1, min(args.mol_tokens, 16)

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ._report import markdown_table, save_figure, write_json
+from ._report import add_plot_option, markdown_table, plot_path, save_figure, write_json
 
 SETUPS = ("fixed", "in_engine", "outside")
 COLUMNS = ["setup", "tokens_per_s", "tokens_per_s_ratio", "p50_latency_ms", "p95_latency_ms", "latency_ratio",
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one round, 8 tokens per turn (a smoke check)")
     parser.add_argument("--json", help="write the table as JSON rows")
-    parser.add_argument("--plot", default="artifacts/benchmarks/routing_throughput.png")
+    add_plot_option(parser, "artifacts/benchmarks/routing_throughput.png")
     parser.add_argument("--concurrency", type=int, default=4, help="conversations in flight")
     parser.add_argument("--rounds", type=int, default=4, help="batches per setup, interleaved")
     parser.add_argument("--repeats", type=int, default=2, help="times each prompt appears in a batch")
@@ -241,6 +241,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--perf-analyzer", action="store_true",
                         help="also measure the setups with perf_analyzer (downloads it on first use)")
     args = parser.parse_args(argv)
+    args.plot = plot_path(args)
     if args.quick:
         args.rounds, args.repeats, args.max_tokens = 1, 1, 8
 
@@ -273,7 +274,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print("\nperf_analyzer (gRPC, concurrency {}, input files in perf_analyzer_configs/; each file's own "
               "max_tokens):\n".format(args.concurrency))
         print(markdown_table(perf_rows, ["setup", "model", "input_data", "infer_per_s", "p50_first_response_ms"]))
-    write_json(rows, args.json)
+    # one JSON list: the setup rows, then perf_analyzer's rows, each saying which table it belongs to
+    write_json([{"table": "setups", **row} for row in rows] + [{"table": "perf_analyzer", **row} for row in perf_rows],
+               args.json)
     plot(rows, args.plot)
     return rows
 
