@@ -69,7 +69,7 @@ def prefill_and_route(call: Call, text_input: np.ndarray, conversation_id: str |
 def remote_decode(url: str, model: str, inputs: dict[str, np.ndarray], timeout_s: float = 600.0) -> Iterator:
     """Stream one request to a decode server over Triton gRPC; yields its responses (tritonclient InferResult)."""
     import tritonclient.grpc as grpcclient
-    from tritonclient.utils import np_to_triton_dtype
+    from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
     grpc_inputs = []
     for name, value in inputs.items():
@@ -78,9 +78,13 @@ def remote_decode(url: str, model: str, inputs: dict[str, np.ndarray], timeout_s
         grpc_inputs.append(tensor)
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
+    finished = False
     try:
-        client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        client.async_stream_infer(model, grpc_inputs, enable_empty_final_response=True)
+        try:
+            client.start_stream(callback=lambda result, error: responses.put((result, error)))
+            client.async_stream_infer(model, grpc_inputs, enable_empty_final_response=True)
+        except InferenceServerException as error:  # the same message whichever side notices first
+            raise RequestError(f"decode server {url}: {error.message()}") from None
         while True:
             try:
                 result, error = responses.get(timeout=timeout_s)
@@ -92,9 +96,10 @@ def remote_decode(url: str, model: str, inputs: dict[str, np.ndarray], timeout_s
             if response.outputs:
                 yield result
             if response.parameters["triton_final_response"].bool_param:
+                finished = True
                 return
-    finally:
-        client.stop_stream()
+    finally:  # closed before the end (the client cancelled, or an error): cancel the turn on the decode server too
+        client.stop_stream(cancel_requests=not finished)
         client.close()
 
 
@@ -111,7 +116,9 @@ class Relay:
         self.call, self.store, self.router_model = call, store, router_model
         self.decode_url, self.decode_model, self.decode = decode_url, decode_model, decode
 
-    def run(self, fields: dict[str, np.ndarray], send: Callable[[dict[str, np.ndarray] | None, bool], None]) -> None:
+    def run(self, fields: dict[str, np.ndarray], send: Callable[[dict[str, np.ndarray] | None, bool], None],
+            cancelled: Callable[[], bool] = lambda: False) -> None:
+        """`cancelled()` says the client went away: the remote turn is cancelled and nothing is stored."""
         conversation_id = _text(fields.get("conversation_id"))
         front = prefill_and_route(self.call, fields["text_input"], conversation_id, _text(fields.get("adapter")),
                                   self.router_model, route_only=False)
@@ -123,7 +130,12 @@ class Relay:
             inputs.update({name: fields[name].astype(dtype).reshape(1)
                            for name, dtype in PASSED_ON.items() if fields.get(name) is not None})
             pending, committed = None, False
-            for result in self.decode(self.decode_url, self.decode_model, inputs):
+            results = self.decode(self.decode_url, self.decode_model, inputs)
+            for result in results:
+                if cancelled():
+                    getattr(results, "close", lambda: None)()  # remote_decode cancels the remote turn on close
+                    send(None, True)
+                    return
                 state = result.as_numpy("_state_out")
                 if state is not None:
                     commit_turn(self.store, conversation_id, decode_state(state.tobytes(), self.store.config),

@@ -156,7 +156,8 @@ class DecodeStage:
 
     def run(self, adapter_set: AdapterSet, request: DecodeRequest) -> Iterator[tuple[int, int]]:
         """Yields (token id, positions replayed) per generated token; when done, stores the state (or frees it at
-        the end of the conversation), or with `return_state` puts it in `request.final_state` instead."""
+        the end of the conversation), or with `return_state` puts it in `request.final_state` instead. Closed
+        early (a cancelled request), it stores nothing: the conversation stays as it was before the turn."""
         try:
             adapter = self.adapter_for(adapter_set, request.meta.adapter_hash)
             state = decode_state(request.state, self.engine.config)

@@ -48,7 +48,7 @@ class TritonPythonModel:
                             flags=flags)
 
         try:
-            self.relay.run(fields, send)
+            self.relay.run(fields, send, sender.is_cancelled)
         except ValueError as error:
             sender.send(error_response(pb, str(error)), flags=FINAL)
         except Exception as error:  # never leave a client waiting: any failure ends its request with a message

@@ -5,10 +5,14 @@ Also the route-only model (a client's own routing decision): it answers over HTT
 from __future__ import annotations
 
 import json
+import queue
+import time
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 
 from python_backend.roles import build_prefill_repository, decode_models
 
@@ -121,3 +125,37 @@ def test_route_model_answers_over_http_infer_and_writes_nothing(server, served_d
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=60)
     assert refused.value.code == 400 and "text_input is empty" in refused.value.read().decode()  # the client's fault
+
+
+def test_a_cancelled_turn_stops_and_stores_nothing(disaggregated, served_dir):
+    """A client that cancels its stream mid-answer: the relay cancels the turn on the decode server, which stops at
+    the next token, and the conversation stays as it was before the cancelled turn. (Through the single server's
+    ensemble Triton 2.51 does not pass a cancellation on to a step already running, so there the turn completes.)"""
+    server, _ = disaggregated
+    conversation = generate(server, text_input="hello", adapter="chat", max_tokens=3)["conversation_id_out"]
+    record, lock = (served_dir / "prefill-store" / f"{conversation}.{suffix}" for suffix in ("state", "lock"))
+    before = record.read_bytes()
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    fields = {"text_input": np.array([b"again"], dtype=object), "conversation_id": np.array([conversation.encode()],
+              dtype=object), "adapter": np.array([b"chat"], dtype=object), "stream": np.array([True]),
+              "max_tokens": np.array([4000], dtype=np.int32)}
+    inputs = []
+    for name, value in fields.items():
+        inputs.append(grpcclient.InferInput(name, [1], {np.bool_: "BOOL", np.int32: "INT32"}.get(value.dtype.type,
+                                                                                                 "BYTES")))
+        inputs[-1].set_data_from_numpy(value)
+    client.async_stream_infer("mol2", inputs, enable_empty_final_response=True)
+    for _ in range(2):
+        result, error = responses.get(timeout=120)
+        assert error is None, error
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    deadline = time.monotonic() + 60
+    while lock.exists():
+        assert time.monotonic() < deadline, "the cancelled turn still holds its lock"
+        time.sleep(0.05)
+    assert record.read_bytes() == before          # nothing of the cancelled turn was stored
+    answer = generate(server, text_input="and now", adapter="chat", max_tokens=2, conversation_id=conversation)
+    assert "error" not in answer, answer

@@ -270,3 +270,4 @@ def test_mixed_explicit_and_routed_requests(server):
     after = metric_totals(server, names)
     delta = {name: after[name] - before[name] for name in names}
     assert delta["mol2_routes_written"] == delta["mol2_routes_read"] == delta["mol2_routes_applied"] == len(explicit)
+

@@ -95,7 +95,12 @@ class TritonPythonModel:
         ids, replayed = [], 0
         respond = lambda fresh, last: self._response(ids, fresh, last, adapter, replayed, scores,  # noqa: E731
                                                      decode_request.conversation_id)
-        for token, replayed in self.stage.run(self.served.watcher.current, decode_request):
+        tokens = self.stage.run(self.served.watcher.current, decode_request)
+        for token, replayed in tokens:
+            if sender.is_cancelled():  # the client went away: stop now; the turn is dropped, nothing is stored
+                tokens.close()
+                sender.send(flags=FINAL)
+                return
             if not ids:
                 self.counters.add("mol2_routes_applied", adapter)
                 self.counters.add("mol2_replayed_tokens", adapter, replayed)
