@@ -64,8 +64,8 @@ def mismatches(expected: dict, got: dict, role: str) -> list[str]:
             if expected.get(k) != got.get(k)]
 
 
-def load(path: Path, sender_fp: dict | None = None, receiver_fp: dict | None = None) -> HeteroMap:
-    """Load a map; when fingerprints are given, refuse a map fitted for another pair."""
+def read_meta(path: Path) -> dict:
+    """A map's map.json, checked to be one: a damaged or foreign file is refused, named."""
     path = Path(path)
     try:
         meta = json.loads((path / "map.json").read_text())
@@ -74,6 +74,13 @@ def load(path: Path, sender_fp: dict | None = None, receiver_fp: dict | None = N
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise MapMismatch(f"{path}: format {got!r}, expected {FORMAT!r}")
+    return meta
+
+
+def load(path: Path, sender_fp: dict | None = None, receiver_fp: dict | None = None) -> HeteroMap:
+    """Load a map; when fingerprints are given, refuse a map fitted for another pair."""
+    path = Path(path)
+    meta = read_meta(path)
     problems = []
     if sender_fp is not None:
         problems += mismatches(meta["sender"], sender_fp, "sender")

@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from python_backend.triton_io import error_response
+
 from . import mapfile
 from .families import Capture
 from .pipeline import continue_from_capture
@@ -138,9 +140,13 @@ def check_blocks(blocks: KVBlocks, m: LoadedMap, text: str) -> None:
         if a.shape != want:
             raise BlockMismatch(f"{name}: shape {list(a.shape)}, map {m.name!r} reads [layers={want[0]}, "
                                 f"tokens={want[1]} (len(token_ends)), kv_heads*head_dim={want[2]}]")
+    for name, a in (("kv_keys", blocks.keys), ("kv_values", blocks.values)):
+        if not np.isfinite(a).all():
+            raise BlockMismatch(f"{name}: holds NaN or infinite values")
     ends = blocks.token_ends
-    if ends.ndim != 1 or len(ends) == 0 or np.any(np.diff(ends) < 0):
-        raise BlockMismatch("token_ends must be a non-empty, non-decreasing list of character offsets")
+    if ends.ndim != 1 or len(ends) == 0 or ends[0] < 1 or np.any(np.diff(ends) < 0):
+        raise BlockMismatch("token_ends must be a non-empty, non-decreasing list of character end offsets, "
+                            "the first at least 1")
     if int(ends[-1]) != len(text):
         raise BlockMismatch(f"token_ends end at character {int(ends[-1])} but text_input has {len(text)} "
                             f"characters: the blocks were exported for another text")
@@ -162,7 +168,7 @@ class Receiver:
                 known = sorted(p.name for p in self.settings.maps_dir.glob("*") if (p / "map.json").is_file())
                 raise FileNotFoundError(f"no map {name!r} in {self.settings.maps_dir} (maps: {known or 'none'}; "
                                         f"`heterofold fit --sender S --receiver R` writes S-to-R)")
-            meta = json.loads((path / "map.json").read_text())
+            meta = mapfile.read_meta(path)
             receiver = self.zoo.get(meta["receiver"]["family"])
             m = mapfile.load(path, None, mapfile.fingerprint(receiver.adapter, receiver.tok)).to(torch.float32)
             digest = hashlib.sha256((path / "map.json").read_bytes() + (path / "map.safetensors").read_bytes())
@@ -225,8 +231,11 @@ def blocks_from(get) -> KVBlocks | None:
 
 
 def _error(pb, error: Exception):
-    message = str(error) if isinstance(error, (ValueError, FileNotFoundError)) else f"{type(error).__name__}: {error}"
-    return pb.InferenceResponse(output_tensors=[], error=pb.TritonError(message))
+    """A refusal (bad input, missing or mismatched map) is the client's: INVALID_ARG (HTTP 400); anything else
+    is ours: INTERNAL (500)."""
+    if isinstance(error, (ValueError, FileNotFoundError)):
+        return error_response(pb, str(error))
+    return error_response(pb, f"{type(error).__name__}: {error}", "INTERNAL")
 
 
 def sender_execute(pb, sender: Sender, requests) -> list:

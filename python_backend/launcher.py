@@ -109,6 +109,7 @@ def start(model_repository: Path, ports: Ports, workdir: Path, log_path: Path | 
         raise LaunchError(f"port(s) {', '.join(map(str, busy))} on {ports.host} already in use (another server?): "
                           "stop it or choose other ports (--http-port, --grpc-port, --metrics-port)")
     env = {RUN_VARIABLE: uuid.uuid4().hex, **(env or {})}
+    model_repository, workdir = Path(model_repository).resolve(), Path(workdir).resolve()  # the server runs in workdir
     server = _wheel_root() / "tritonserver" / "bin" / "tritonserver"
     command = [str(server), f"--model-repository={model_repository}",
                f"--backend-directory={backend_directory(workdir / 'backends')}",
@@ -116,8 +117,10 @@ def start(model_repository: Path, ports: Ports, workdir: Path, log_path: Path | 
                f"--http-address={ports.host}", f"--grpc-address={ports.host}", "--allow-metrics=true",
                "--allow-gpu-metrics=false", "--log-verbose=0", *extra_args]
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    # cwd: the work folder (it holds only backends/), so that no folder of the caller's working directory can
+    # shadow a package the model processes import (their Python puts the working directory on its path)
     return subprocess.Popen(command, env=server_environment(env), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, cwd=workdir)
 
 
 def wait_ready(process: subprocess.Popen, ports: Ports, timeout_s: float = 180.0) -> None:

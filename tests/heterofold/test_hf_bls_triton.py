@@ -1,6 +1,7 @@
 """HeteroFold on a real tritonserver (model_repository_heterofold/, the tiny zoo and map of conftest): the BLS
 path gives the in-process path's tokens, from text or from client-sent KV blocks; blocks of the wrong dtype, shape
 or fingerprint are refused with a clear error and the server keeps serving."""
+import contextlib
 import json
 
 import numpy as np
@@ -19,8 +20,12 @@ TEXTS = ["grep searches the named input files for lines containing a match.",
 @pytest.fixture(scope="module")
 def client(served_root):
     ports = Ports.free()
-    with running(REPOSITORY, ports, served_root / "triton", served_root / "tritonserver.log",
-                 env={"HETEROFOLD_ROOT": str(served_root)}, timeout_s=120):
+    with contextlib.ExitStack() as server:
+        # started from inside its root, as `cd ROOT && heterofold --root . serve` does: the root's `triton/` work
+        # folder must not shadow the `triton` package the model processes import
+        with contextlib.chdir(served_root):
+            server.enter_context(running(REPOSITORY, ports, served_root / "triton", served_root / "tritonserver.log",
+                                         env={"HETEROFOLD_ROOT": str(served_root)}, timeout_s=120))
         client = httpclient.InferenceServerClient(ports.http_url, network_timeout=120)
         yield client
         client.close()          # an open keep-alive connection holds the server's shutdown for its exit timeout

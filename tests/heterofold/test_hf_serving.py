@@ -131,6 +131,9 @@ def test_mismatched_blocks_are_refused_per_request(served, in_process_ids):
             dict(good, sender_fingerprint=json.dumps(dict(fp, family="mistral"))),
         "come as kv_keys, kv_values, token_ends, sender_fingerprint together; got only kv_keys, token_ends":
             {k: v for k, v in good.items() if k != "kv_values"},
+        "kv_keys: holds NaN or infinite values": dict(good, kv_keys=np.full_like(good["kv_keys"], np.nan)),
+        "kv_values: holds NaN or infinite values": dict(good, kv_values=np.full_like(good["kv_values"], np.inf)),
+        "the first at least 1": dict(good, token_ends=np.concatenate([[-100], good["token_ends"][1:]])),
     }
     batch = [request(text_input=TEXT, map="llama-to-qwen3", **blocks) for blocks in cases.values()]
     batch.append(request(text_input=TEXT + " more", map="llama-to-qwen3", **good))       # blocks of another text
@@ -160,3 +163,15 @@ def test_settings_from_parameters_and_environment(monkeypatch, tmp_path):
     s = Settings.from_parameters({"root": "/x", "maps_dir": "/y"})
     assert (s.root, s.maps_dir) == (__import__("pathlib").Path("/x"), __import__("pathlib").Path("/y"))
     assert issubclass(BlockMismatch, ValueError)
+
+
+def test_a_damaged_map_is_named_when_served(served, tmp_path):
+    import shutil
+
+    settings, sender, _, pb = served
+    maps = tmp_path / "maps"
+    shutil.copytree(settings.maps_dir / "llama-to-qwen3", maps / "broken")
+    (maps / "broken" / "map.json").write_text("{not json")
+    receiver = Receiver(Settings.from_parameters({"root": str(settings.root), "maps_dir": str(maps)}))
+    response = heterofold_execute(pb, receiver, [request(text_input=TEXT, map="broken")])[0]
+    assert "broken/map.json is damaged (not JSON" in response.error().message()
