@@ -149,7 +149,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         ("tokenizer", tokenizer / "tokenizer.json",
          lambda: main(["tokenizer", "--corpus", str(corpus), "--out", str(tokenizer)] + quiet)),
         ("pretrain", demo / "pretrain" / "summary.json",
-         lambda: pretrain(_pretrain_config(args), corpus, tokenizer, demo, progress=not args.quiet)),
+         lambda: pretrain(_pretrain_config(args), corpus, tokenizer, demo, progress=not args.quiet,
+                          keep_work=args.keep_work, stop_after=args.stop_after)),
         ("adapters", demo / "adapters" / "adapters.json",
          lambda: train_adapters(corpus, demo / "model", demo / "adapters", _adapter_config(args),
                                 progress=not args.quiet)),
@@ -159,7 +160,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             print(f"[demo] {name}: already built ({done})")
             continue
         print(f"[demo] {name}: building (first run only; cached in {done.parent})")
-        run()
+        result = run()
+        if isinstance(result, dict) and result.get("finished") is False:  # --stop-after: a checkpoint, not a model
+            print(f"[demo] {name}: stopped at step {result['step']} with a checkpoint; run the same command again "
+                  "to resume")
+            return 0
     manifest = write_demo_manifest(demo, args)
     print(f"[demo] ready: {demo} ({manifest['total_mb']:.1f} MB of model + adapters); see {demo / 'README.md'}")
     return 0
@@ -273,6 +278,14 @@ def _cmd_tensorrt(args: argparse.Namespace) -> int:
     return 0
 
 
+def _vocab_size(text: str) -> int:
+    from .tokenizer import MAX_VOCAB, MIN_VOCAB
+
+    if not text.isdigit() or not MIN_VOCAB <= int(text) <= MAX_VOCAB:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a vocabulary size in {MIN_VOCAB}..{MAX_VOCAB}")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m engine_build", description="Build the demo model (corpus, tokenizer, pretraining, adapters) and its engines (ONNX, TensorRT).")
     sub = p.add_subparsers(dest="command", required=True)
@@ -300,9 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "tokenizer.json, tokenizer_config.json and stats.json (tokens per domain).")
     t.add_argument("--corpus", required=True, help="folder written by the corpus command")
     t.add_argument("--out", required=True, help="output folder")
-    t.add_argument("--vocab-size", type=int, default=8192,
-                   help="vocabulary size (default: %(default)s, the demo preset's; pretrain sizes the model's "
-                        "embedding to the tokenizer)")
+    t.add_argument("--vocab-size", type=_vocab_size, default=8192,
+                   help="vocabulary size, 8192..16384 (default: %(default)s, the demo preset's; pretrain sizes the "
+                        "model's embedding to the tokenizer)")
     t.add_argument("--min-frequency", type=int, default=2, help="least count of a merged pair (default: %(default)s)")
     t.add_argument("--no-stats", action="store_true", help="skip counting tokens per domain")
     t.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -395,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(problem)
     try:
         return args.fn(args)
-    except OSError as error:
+    except (OSError, ValueError) as error:  # a missing, unreadable or too-small input: its message, no traceback
         raise SystemExit(f"python -m engine_build {args.command}: error: {error}") from None
 
 

@@ -120,9 +120,9 @@ def train_lora(base: CEDForCausalLM, rows: Tensor, target_modules: str, cfg: Ada
     return model, losses
 
 
-def engine_logit_gap(base: CEDForCausalLM, adapter_dir: Path, peft_model, tokens: Tensor) -> float:
+def engine_logit_gap(base: CEDForCausalLM, adapter_dir: Path, peft_model, tokens: Tensor, max_rank: int = 16) -> float:
     """Max |engine logits - PEFT logits| over tokens (1, T) with the adapter loaded into CEDEngine's slots."""
-    engine = CEDEngine(copy.deepcopy(base), max_adapters=2, max_rank=16)
+    engine = CEDEngine(copy.deepcopy(base), max_adapters=2, max_rank=max_rank)
     engine.adapters.load("x", adapter_dir)
     ours = engine.forward_batch(tokens, ["x"])
     with torch.no_grad():
@@ -161,17 +161,20 @@ def train_adapters(corpus_dir: str | Path, model_dir: str | Path, out: str | Pat
     plan = [(name, name, decoder_targets, ADAPTERS[name]) for name in ADAPTERS]
     plan.append(("every_layer", cfg.every_layer_domain, every_layer_regex(config.n_layers), EVERY_LAYER_DESCRIPTION))
 
+    max_rank = max(16, cfg.rank, cfg.random_rank)  # the checks load each adapter into an engine of this many ranks
     valid_cache: dict[str, Tensor] = {}
-    base_loss: dict[str, float] = {}
+    for domain in dict.fromkeys(domain for _, domain, _, _ in plan):  # all before any training
+        valid_cache[domain] = packed_rows(corpus_dir, domain, "valid", tokenizer, cfg.seq_len, cfg.valid_rows,
+                                          seed=cfg.seed, max_doc_tokens=cfg.max_doc_tokens)
+        if len(valid_cache[domain]) == 0:  # the losses and the engine check need at least one row
+            raise ValueError(f"{corpus_dir}: {domain}.valid packs into no {cfg.seq_len}-token row; build a larger "
+                             "corpus (python -m engine_build corpus --scale ...) or lower --seq-len")
+    base_loss = {domain: mean_loss(base, valid, cfg.batch_size, cfg.chunk_size) for domain, valid in valid_cache.items()}
     rows = []
     for name, domain, targets, description in plan:
         started = time.perf_counter()
         train = packed_rows(corpus_dir, domain, "train", tokenizer, cfg.seq_len, cfg.steps * cfg.batch_size,
                             seed=cfg.seed + 1, max_doc_tokens=cfg.max_doc_tokens)
-        if domain not in valid_cache:
-            valid_cache[domain] = packed_rows(corpus_dir, domain, "valid", tokenizer, cfg.seq_len, cfg.valid_rows,
-                                              seed=cfg.seed, max_doc_tokens=cfg.max_doc_tokens)
-            base_loss[domain] = mean_loss(base, valid_cache[domain], cfg.batch_size, cfg.chunk_size)
         valid = valid_cache[domain]
         model, losses = train_lora(base, train, targets, cfg, desc=f"adapter {name}", progress=progress)
         path = out / name
@@ -180,11 +183,11 @@ def train_adapters(corpus_dir: str | Path, model_dir: str | Path, out: str | Pat
         adapter_loss = mean_loss(model, valid, cfg.batch_size, cfg.chunk_size)
         engine, gap = "loads", None
         try:
-            gap = engine_logit_gap(base, path, model, valid[:1, :256])
+            gap = engine_logit_gap(base, path, model, valid[:1, :256], max_rank)
         except PlacementError as error:
             engine = "refused (expected)" if name == "every_layer" else f"REFUSED: {error}"
             if name == "every_layer":  # the baseline takes it
-                baseline = EveryLayerBaseline(copy.deepcopy(base), max_adapters=2, max_rank=16)
+                baseline = EveryLayerBaseline(copy.deepcopy(base), max_adapters=2, max_rank=max_rank)
                 baseline.adapters.load("x", path)
                 engine += "; EveryLayerBaseline loads"
         if name == "every_layer" and engine == "loads":
@@ -204,7 +207,7 @@ def train_adapters(corpus_dir: str | Path, model_dir: str | Path, out: str | Pat
     make_random_adapter(base, path, decoder_modules_regex(config, RANDOM_L0_MODULES), rank=cfg.random_rank,
                         alpha=2 * cfg.random_rank, seed=cfg.seed + 100, scale=cfg.random_scale)
     (path / "description.txt").write_text(RANDOM_L0_DESCRIPTION + "\n")
-    engine = CEDEngine(copy.deepcopy(base), max_adapters=2, max_rank=16)
+    engine = CEDEngine(copy.deepcopy(base), max_adapters=2, max_rank=max_rank)
     engine.adapters.load("random_l0", path)
     general = packed_rows(corpus_dir, "general", "valid", tokenizer, cfg.seq_len, cfg.valid_rows // 2, seed=cfg.seed,
                           max_doc_tokens=cfg.max_doc_tokens)

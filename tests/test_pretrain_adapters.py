@@ -110,3 +110,23 @@ def test_peft_adapters_lower_the_loss_and_pass_the_placement_check(fixture_corpu
     assert (tmp_path / "adapters" / "coding" / "description.txt").read_text().strip()
     table = json.loads((tmp_path / "adapters" / "adapters.json").read_text())
     assert [r["name"] for r in table["adapters"]] == list(rows)
+
+
+def test_adapter_build_takes_ranks_above_16_and_checks_validation_first(fixture_corpus, tmp_path):
+    import shutil
+
+    corpus, _, tokenizer = fixture_corpus
+    model_dir = tmp_path / "model"
+    CEDForCausalLM.from_ced(CEDConfig.from_name("tiny"), seed=0).save_pretrained(model_dir)
+    save_tokenizer(tokenizer, model_dir)
+    cfg = AdapterTrainConfig(rank=32, alpha=64, steps=3, warmup_steps=1, batch_size=2, seq_len=64, valid_rows=2,
+                             bf16=False, chunk_size=32, random_rank=2)
+    rows = {r["name"]: r for r in train_adapters(corpus, model_dir, tmp_path / "adapters", cfg, progress=False)}
+    assert all(rows[name]["engine"] == "loads" for name in ("chat", "agent", "coding", "design"))
+
+    small = tmp_path / "small"
+    shutil.copytree(corpus, small)
+    (small / "coding.valid.jsonl").write_text("")
+    with pytest.raises(ValueError, match="coding.valid packs into no 64-token row"):
+        train_adapters(small, model_dir, tmp_path / "refused", cfg, progress=False)
+    assert not (tmp_path / "refused" / "chat").exists()   # refused before any adapter was trained
