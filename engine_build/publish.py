@@ -35,12 +35,25 @@ def publish(src: Path, dst: Path) -> dict:
     for extra in ("router", "pretrain"):
         if (src / extra).is_dir():
             shutil.copytree(src / extra, dst / extra, dirs_exist_ok=True)
-    for extra in ("README.md", "manifest.json"):
-        if (src / extra).is_file():
-            shutil.copy2(src / extra, dst / extra)
+    if (src / "manifest.json").is_file():
+        shutil.copy2(src / "manifest.json", dst / "manifest.json")
+    if (src / "README.md").is_file():  # its Files section describes the float32 build: point to published.json
+        (dst / "README.md").write_text(without_files_section((src / "README.md").read_text()))
     files = sorted(p for p in dst.rglob("*") if p.is_file() and p.name != "published.json")
     summary = {"source": str(src), "weights_dtype": "bfloat16 (loaded as float32)",
                "total_bytes": sum(p.stat().st_size for p in files),
                "files": {str(p.relative_to(dst)): hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in files}}
     (dst / "published.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def without_files_section(readme: str) -> str:
+    """The build's README with its "## Files" section (sizes and hashes of the float32 build) replaced by a pointer
+    to published.json, which lists what was published."""
+    head, marker, rest = readme.partition("\n## Files")
+    if not marker:
+        return readme
+    _, heading, tail = rest.partition("\n## ")
+    note = ("\n## Files\n\nPublished with the weights in bf16 (loaded back as float32): every file with its sha256, "
+            "and the total size, is in `published.json`.\n")
+    return head + note + (("\n## " + tail) if heading else "")

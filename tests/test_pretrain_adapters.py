@@ -130,3 +130,13 @@ def test_adapter_build_takes_ranks_above_16_and_checks_validation_first(fixture_
     with pytest.raises(ValueError, match="coding.valid packs into no 64-token row"):
         train_adapters(small, model_dir, tmp_path / "refused", cfg, progress=False)
     assert not (tmp_path / "refused" / "chat").exists()   # refused before any adapter was trained
+
+
+def test_publish_drops_the_float32_builds_file_table():
+    from engine_build.publish import without_files_section
+
+    readme = "# Demo\n\n## Adapters\n\nrows\n\n## Files (42.5 MB)\n\n| model.safetensors | 36,329,536 |\n\n## After\n\nkept\n"
+    published = without_files_section(readme)
+    assert "36,329,536" not in published and "published.json" in published
+    assert published.startswith("# Demo\n\n## Adapters\n\nrows\n") and published.endswith("## After\n\nkept\n")
+    assert without_files_section("# no table\n") == "# no table\n"
