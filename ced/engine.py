@@ -79,10 +79,11 @@ class CEDEngine:
     def _rows(self, adapters: Iterable[str | None]):
         slots = [self.adapters.slot_of(name) for name in adapters]  # raises on unknown names before any work
         self.mapping.row_slots = torch.tensor(slots, dtype=torch.long)
+        self.mapping.host_slots = slots
         try:
             yield
         finally:
-            self.mapping.row_slots = None
+            self.mapping.row_slots = self.mapping.host_slots = None
 
     def _check_tokens(self, state: ConversationState, tokens: list[int]) -> list[int]:
         tokens = [int(t) for t in tokens]

@@ -18,6 +18,7 @@ class LoRAMapping:
     """Which slot each row of the current batch uses; -1 (or None for the whole batch) means no adapter."""
 
     row_slots: Tensor | None = None  # (B,) long
+    host_slots: list[int] | None = None  # the same on the host: lets a module skip or pick rows without a sync
 
 
 class MultiLoRALinear(nn.Module):
@@ -29,6 +30,7 @@ class MultiLoRALinear(nn.Module):
         self.register_buffer("lora_b", torch.zeros(n_slots, base.out_features, max_rank, dtype=dtype),
                              persistent=False)
         self.register_buffer("in_use", torch.zeros(n_slots, dtype=torch.bool), persistent=False)
+        self.used = [False] * n_slots  # in_use on the host
 
     @property
     def in_features(self) -> int:
@@ -44,21 +46,33 @@ class MultiLoRALinear(nn.Module):
         self.lora_a[slot, :rank] = a.to(self.lora_a.dtype)
         self.lora_b[slot, :, :rank] = b_scaled.to(self.lora_b.dtype)
         self.in_use[slot] = True
+        self.used[slot] = True
 
     def reset_lora(self, slot: int) -> None:
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         self.in_use[slot] = False
+        self.used[slot] = False
 
     def forward(self, x: Tensor) -> Tensor:  # x: (B, T, in)
         y = self.base(x)
-        slots = self.mapping.row_slots
+        slots, host = self.mapping.row_slots, self.mapping.host_slots
         if slots is None:
             return y
-        active = (slots >= 0) & self.in_use[slots.clamp(min=0)]
-        if not bool(active.any()):
-            return y
-        rows = active.nonzero().squeeze(1)  # rows without an adapter are left untouched, bit for bit
+        if host is not None:  # the rows that carry this module's adapter, found on the host
+            picked = [row for row, slot in enumerate(host) if slot >= 0 and self.used[slot]]
+            if not picked:
+                return y
+            if len(picked) == len(host):  # every row: no row gather, and y + delta is index_add's sum
+                delta = torch.matmul(torch.matmul(x, self.lora_a[slots].transpose(1, 2)),
+                                     self.lora_b[slots].transpose(1, 2))
+                return y + delta
+            rows = torch.tensor(picked)
+        else:
+            active = (slots >= 0) & self.in_use[slots.clamp(min=0)]
+            if not bool(active.any()):
+                return y
+            rows = active.nonzero().squeeze(1)  # rows without an adapter are left untouched, bit for bit
         a, b = self.lora_a[slots[rows]], self.lora_b[slots[rows]]  # (R, r, in), (R, out, r)
         delta = torch.matmul(torch.matmul(x[rows], a.transpose(1, 2)), b.transpose(1, 2))  # (R, T, out)
         return y.index_add(0, rows, delta)

@@ -4,9 +4,12 @@ Every layer: one softmax over its local window (the last W positions) and the to
 global KV of the nearest source layer at or below it, then a SwiGLU FFN. The forward is split in two stages so
 the engine can run them separately:
 
-- `run_shared`: layers 0..E-1 and the first decoder layer's attention. Adapter-free; writes encoder windows,
+- `shared_stage`: layers 0..E-1 and the first decoder layer's attention. Adapter-free; writes encoder windows,
   the global KV and the post-attention stream of layer E. Its layer E-1 output is H19.
-- `run_decoder`: layer E's FFN and layers E+1..L-1 from that stream, under whatever adapter is mapped.
+- `decoder_stage`: layer E's FFN and layers E+1..L-1 from that stream, under whatever adapter is mapped.
+
+Both read and write conversation state only through a cache (`ced.state.AttentionCache`): the reference objects
+of one conversation (`run_shared` / `run_decoder`), or the serving engine's paged pool of many (`ced.paged`).
 
 `forward(input_ids)` runs both over the whole sequence in chunks: it is the training path and the oracle.
 """
@@ -23,7 +26,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
 
 from .config import CEDConfig, LayerRole
-from .state import GlobalKV, LocalWindow, Selection
+from .state import AttentionCache, GlobalKV, ListCache, LocalWindow, Selection
 
 NEG_INF = float("-inf")
 
@@ -69,10 +72,12 @@ class RMSNorm(nn.Module):
 
 
 def apply_rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
-    """Rotate x (..., T, D) by absolute positions (T,): pairs (i, i + D/2), as in Llama."""
+    """Rotate x (B, H, T, D) by absolute positions (B, T) or (T,): pairs (i, i + D/2), as in Llama."""
     half = x.shape[-1] // 2
     inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # (T, D/2)
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # (B, T, D/2)
+    if angles.dim() == 3:
+        angles = angles[:, None]  # (B, 1, T, D/2): one rotation per row, shared by the heads
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
@@ -97,12 +102,14 @@ class Indexer(nn.Module):
         self.weight = nn.Linear(config.hidden_size, config.index_heads, bias=False)
 
     def select(self, xn: Tensor, index_keys: Tensor, positions: Tensor, block_size: int) -> Selection:
+        """xn (B, T, C) at positions (B, T); index_keys (B, N, I), rows padded past their own entries (a padded
+        entry's block ends after every query of its row, so the block-end mask hides it)."""
         B, T, _ = xn.shape
         q = self.query(xn).view(B, T, self.heads, self.dim)  # (B, T, h, I)
         scores = torch.einsum("bthi,bni->bthn", q, index_keys).relu()  # (B, T, h, N)
         scores = (scores * self.weight(xn).unsqueeze(-1)).sum(2)  # (B, T, N)
         block_end = (torch.arange(index_keys.shape[1], device=xn.device) + 1) * block_size - 1
-        scores = scores.masked_fill(block_end[None, None, :] > positions[None, :, None], NEG_INF)
+        scores = scores.masked_fill(block_end[None, None, :] > positions[:, :, None], NEG_INF)
         # Top-k by a stable sort, ties to the most recent block: the choice must not depend on how many queries
         # share the call (one-pass vs token by token), and ReLU scores tie at zero often.
         n, k = index_keys.shape[1], min(self.top_k, index_keys.shape[1])
@@ -130,53 +137,49 @@ class CEDAttention(nn.Module):
     def _heads(self, x: Tensor) -> Tensor:  # (B, T, H*D) -> (B, T, H, D)
         return x.view(*x.shape[:2], self.config.n_heads, self.config.head_dim)
 
-    def compress(self, xn: Tensor, store: GlobalKV) -> None:
-        """Append the global entries of every block that completes in this chunk; keep the rest as pending."""
-        m, B = self.config.block_size, xn.shape[0]
-        rows = xn if store.pending is None else torch.cat([store.pending, xn], dim=1)
-        n_blocks = rows.shape[1] // m
-        store.pending = rows[:, n_blocks * m:].clone()
-        if n_blocks == 0:
-            return
-        blocks = rows[:, : n_blocks * m].reshape(B, n_blocks, m, -1)  # (B, N', m, C)
-        k = self._heads(self.k_proj(blocks).flatten(1, 2)).view(B, n_blocks, m, self.config.n_heads, -1)
-        v = self._heads(self.v_proj(blocks).flatten(1, 2)).view(B, n_blocks, m, self.config.n_heads, -1)
-        weights = self.compressor.gate(blocks).softmax(dim=2).unsqueeze(-1)  # (B, N', m, H, 1)
-        k_entry, v_entry = (weights * k).sum(2), (weights * v).sum(2)  # (B, N', H, D)
-        block_end = (torch.arange(n_blocks, device=xn.device) + store.n_entries + 1) * m - 1
+    def pool_blocks(self, blocks: Tensor, first_entry: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Global entries of completed blocks (R, N', m, C) whose first is entry `first_entry` (R,) of its row:
+        K (RoPE'd at each block's last position), V (R, N', H, D) and indexer keys (R, N', I)."""
+        R, n_blocks, m, _ = blocks.shape
+        k = self._heads(self.k_proj(blocks).flatten(1, 2)).view(R, n_blocks, m, self.config.n_heads, -1)
+        v = self._heads(self.v_proj(blocks).flatten(1, 2)).view(R, n_blocks, m, self.config.n_heads, -1)
+        weights = self.compressor.gate(blocks).softmax(dim=2).unsqueeze(-1)  # (R, N', m, H, 1)
+        k_entry, v_entry = (weights * k).sum(2), (weights * v).sum(2)  # (R, N', H, D)
+        block_end = (torch.arange(n_blocks, device=blocks.device) + first_entry[:, None] + 1) * m - 1  # (R, N')
         k_entry = apply_rope(k_entry.transpose(1, 2), block_end, self.config.rope_theta).transpose(1, 2)
-        index_keys = self.compressor.index_key(blocks.mean(2))  # (B, N', I)
-        store.add_entries(k_entry, v_entry, index_keys)
+        return k_entry, v_entry, self.compressor.index_key(blocks.mean(2))
 
-    def forward(self, xn: Tensor, positions: Tensor, window: LocalWindow, store: GlobalKV | None,
+    def forward(self, xn: Tensor, positions: Tensor, cache: AttentionCache,
                 selection: Selection | None) -> tuple[Tensor, Selection | None]:
-        """xn: (B, T, C) normalized input at `positions`; `window` holds the keys just before positions[0]."""
+        """xn: (B, T, C) normalized input at positions (B, T); the cache holds what precedes them."""
         B, T, _ = xn.shape
-        theta = self.config.rope_theta
+        layer, source, theta = self.role.index, self.role.global_source, self.config.rope_theta
         q = apply_rope(self._heads(self.q_proj(xn)).transpose(1, 2), positions, theta)  # (B, H, T, D)
         k = apply_rope(self._heads(self.k_proj(xn)).transpose(1, 2), positions, theta)
         v = self._heads(self.v_proj(xn)).transpose(1, 2)
-        if self.compressor is not None:
-            self.compress(xn, store)
+        if self.compressor is not None:  # first: this chunk's completed blocks are readable by its own queries
+            cache.compress(layer, xn, self.pool_blocks)
+        has_entries = source is not None and cache.has_entries(source)
         if self.indexer is not None:  # a new choice over this layer's source; none before the first block ends
-            has_entries = store is not None and store.n_entries > 0
-            selection = self.indexer.select(xn, store.index_keys, positions, self.config.block_size) \
+            selection = self.indexer.select(xn, cache.index_keys(source), positions, self.config.block_size) \
                 if has_entries else None
 
-        past = len(window)
-        keys = k if past == 0 else torch.cat([window.k, k], dim=2)  # (B, H, S, D)
-        values = v if past == 0 else torch.cat([window.v, v], dim=2)
-        window.append(k, v)
-        key_pos = torch.arange(positions[0] - past, positions[-1] + 1, device=xn.device)  # (S,)
+        past_k, past_v, past_pos = cache.window(layer)  # (B, H, S', D) x2, (B, S') or (1, S')
+        keys = k if past_k is None else torch.cat([past_k, k], dim=2)  # (B, H, S, D)
+        values = v if past_v is None else torch.cat([past_v, v], dim=2)
+        cache.append_window(layer, k, v)
+        if past_pos is None:
+            key_pos = positions  # (B or 1, S)
+        else:
+            rows = max(past_pos.shape[0], positions.shape[0])
+            key_pos = torch.cat([past_pos.expand(rows, -1), positions.expand(rows, -1)], dim=1)
         scale = 1.0 / math.sqrt(self.config.head_dim)
         local = torch.matmul(q, keys.transpose(-1, -2)) * scale  # (B, H, T, S)
-        distance = positions[:, None] - key_pos[None, :]
-        local = local.masked_fill((distance < 0) | (distance >= self.config.window), NEG_INF)
+        distance = positions[:, :, None] - key_pos[:, None, :]  # (B, T, S)
+        local = local.masked_fill(((distance < 0) | (distance >= self.config.window))[:, None], NEG_INF)
 
-        use_global = store is not None and store.n_entries > 0 and selection is not None
-        if use_global:
-            rows = torch.arange(B, device=xn.device)[:, None, None]
-            k_sel, v_sel = store.k[rows, selection.idx], store.v[rows, selection.idx]  # (B, T, k, H, D)
+        if has_entries and selection is not None:
+            k_sel, v_sel = cache.gather(source, selection.idx)  # (B, T, k, H, D)
             glob = torch.einsum("bhtd,btkhd->bhtk", q, k_sel) * scale  # (B, H, T, k)
             glob = glob.masked_fill(~selection.valid[:, None], NEG_INF)
             probs = torch.cat([local, glob], dim=-1).softmax(dim=-1)
@@ -185,6 +188,10 @@ class CEDAttention(nn.Module):
         else:
             out = torch.matmul(local.softmax(dim=-1), values)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), selection
+
+
+def _positions(start: int, length: int, device) -> Tensor:
+    return torch.arange(start, start + length, device=device)[None]  # (1, T): shared by the rows
 
 
 class SwiGLU(nn.Module):
@@ -207,8 +214,8 @@ class CEDLayer(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = SwiGLU(config)
 
-    def attention_block(self, x, positions, window, store, selection):
-        out, selection = self.attn(self.attn_norm(x), positions, window, store, selection)
+    def attention_block(self, x, positions, cache, selection):
+        out, selection = self.attn(self.attn_norm(x), positions, cache, selection)
         return x + out, selection
 
     def ffn_block(self, x: Tensor) -> Tensor:
@@ -266,43 +273,51 @@ class CEDForCausalLM(CEDPreTrainedModel):
         return self.lm_head
 
     # -- the two stages ------------------------------------------------------------------------------------
+    # Each runs over any cache (ced.state.AttentionCache): the per-conversation objects below, or the serving
+    # engine's paged pool (ced.paged), so the arithmetic is written once.
 
-    def run_shared(self, input_ids: Tensor, start: int, windows: dict[int, LocalWindow],
-                   stores: dict[int, GlobalKV]) -> SharedOutput:
-        """Layers 0..E-1 and layer E's attention over input_ids (B, T) at positions start.., appending to state."""
+    def shared_stage(self, input_ids: Tensor, positions: Tensor, cache: AttentionCache) -> SharedOutput:
+        """Layers 0..E-1 and layer E's attention over input_ids (B, T) at positions (B, T), appending to cache."""
         E = self.ced.decoder_start
-        positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
         x, selection, h19 = self.model.embed_tokens(input_ids), None, None
         for layer in self.model.layers[: E + 1]:
-            role = layer.role
-            store = stores[role.global_source] if role.global_source is not None else None
-            x, selection = layer.attention_block(x, positions, windows[role.index], store, selection)
-            if role.index == E:
+            x, selection = layer.attention_block(x, positions, cache, selection)
+            if layer.role.index == E:
                 break
             x = layer.ffn_block(x)
-            if role.index == E - 1:
+            if layer.role.index == E - 1:
                 h19 = x
         return SharedOutput(h19, x, selection)
 
-    def run_decoder(self, stream: Tensor, start: int, selection: Selection | None,
-                    windows: dict[int, LocalWindow], first_decoder_store: GlobalKV,
-                    capture: dict[int, list[Tensor]] | None = None) -> Tensor:
+    def decoder_stage(self, stream: Tensor, positions: Tensor, selection: Selection | None, cache: AttentionCache,
+                      capture: dict[int, list[Tensor]] | None = None) -> Tensor:
         """Layer E's FFN and layers E+1..L-1 from the post-attention stream (B, T, C); returns final hidden.
 
         `capture`, if given, collects each decoder layer's output (B, T, C) under its layer index.
         """
         E = self.ced.decoder_start
-        positions = torch.arange(start, start + stream.shape[1], device=stream.device)
         x = self.model.layers[E].ffn_block(stream)
         if capture is not None:
             capture.setdefault(E, []).append(x)
         for layer in self.model.layers[E + 1:]:
-            x, selection = layer.attention_block(x, positions, windows[layer.role.index], first_decoder_store,
-                                                 selection)
+            x, selection = layer.attention_block(x, positions, cache, selection)
             x = layer.ffn_block(x)
             if capture is not None:
                 capture.setdefault(layer.role.index, []).append(x)
         return self.model.norm(x)
+
+    def run_shared(self, input_ids: Tensor, start: int, windows: dict[int, LocalWindow],
+                   stores: dict[int, GlobalKV]) -> SharedOutput:
+        """`shared_stage` on one conversation's objects (or rows of equal length), at positions start.."""
+        cache = ListCache(windows, stores, start, self.ced.block_size)
+        return self.shared_stage(input_ids, _positions(start, input_ids.shape[1], input_ids.device), cache)
+
+    def run_decoder(self, stream: Tensor, start: int, selection: Selection | None,
+                    windows: dict[int, LocalWindow], first_decoder_store: GlobalKV,
+                    capture: dict[int, list[Tensor]] | None = None) -> Tensor:
+        """`decoder_stage` on one conversation's adapter-bound windows and the first decoder layer's global KV."""
+        cache = ListCache(windows, {self.ced.decoder_start: first_decoder_store}, start, self.ced.block_size)
+        return self.decoder_stage(stream, _positions(start, stream.shape[1], stream.device), selection, cache, capture)
 
     def new_windows(self, layers) -> dict[int, LocalWindow]:
         return {i: LocalWindow(self.ced.window) for i in layers}

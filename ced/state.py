@@ -7,6 +7,7 @@ tensor with batch dimension 1 (one conversation); byte counts are the tensors' o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
 import torch
 from torch import Tensor
@@ -124,3 +125,83 @@ class ConversationState:
 
     def nbytes(self) -> dict[str, int]:
         return {"shared": self.shared.nbytes(), "adapter_bound": self.bound.nbytes()}
+
+
+@dataclass
+class StateDelta:
+    """What a conversation gained since it held `start_length` tokens (0: all of it): the new tokens and global
+    entries, and the W-bounded shared parts whole (they replace the earlier ones). A journal of these, replayed in
+    order, rebuilds the shared state; the adapter-bound windows are never kept, every turn replays them."""
+
+    start_length: int
+    tokens: list[int]
+    entries: dict[int, tuple[Tensor, Tensor, Tensor]]  # source layer -> k, v (1, n, H, D), index keys (1, n, I)
+    pending: dict[int, Tensor | None]  # source layer -> (1, p, C) inputs of the partial block, None if p == 0
+    windows: dict[int, tuple[Tensor, Tensor]]  # layers 0..E -> k, v (1, H, n, D), n = min(W, length)
+    stream: Tensor | None  # (1, n, C)
+    selection: tuple[Tensor, Tensor] | None  # idx (1, n, k) long, valid (1, n, k) bool
+    bound_adapter: str | None = None  # metadata: the adapter that answered the last turn
+
+
+# -- what the model's attention reads and writes ---------------------------------------------------------------
+
+PoolBlocks = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]  # (blocks, first entry) -> k, v, index keys
+
+
+class AttentionCache(Protocol):
+    """A layer's view of the conversation state of the rows it runs: the model does the arithmetic, the cache the
+    bookkeeping. Layers are named by index; `source` is a global-KV source layer."""
+
+    def window(self, layer: int) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """Keys and values (B, H, S, D) of the positions before this call, and their positions (B or 1, S)."""
+
+    def append_window(self, layer: int, k: Tensor, v: Tensor) -> None:
+        """Keep this call's keys and values (B, H, T, D) as the newest of the window."""
+
+    def compress(self, layer: int, xn: Tensor, pool: PoolBlocks) -> None:
+        """Append the global entries of every block that completes with xn (B, T, C); keep the rest pending."""
+
+    def has_entries(self, source: int) -> bool: ...
+
+    def index_keys(self, source: int) -> Tensor:
+        """(B, N, I); a row with fewer entries is padded with finite values past its own."""
+
+    def gather(self, source: int, idx: Tensor) -> tuple[Tensor, Tensor]:
+        """The global K and V (B, T, k, H, D) of the entries idx (B, T, k) of each row."""
+
+
+class ListCache:
+    """The cache over one conversation's LocalWindow / GlobalKV objects (or rows that share positions, as in
+    training): the reference path of training, the oracle and the serial engine."""
+
+    def __init__(self, windows: dict[int, LocalWindow], stores: dict[int, GlobalKV], start: int, block_size: int):
+        self.windows, self.stores, self.start, self.block_size = windows, stores, start, block_size
+
+    def window(self, layer: int):
+        window = self.windows[layer]
+        if len(window) == 0:
+            return None, None, None
+        return window.k, window.v, torch.arange(self.start - len(window), self.start, device=window.k.device)[None]
+
+    def append_window(self, layer: int, k: Tensor, v: Tensor) -> None:
+        self.windows[layer].append(k, v)
+
+    def compress(self, layer: int, xn: Tensor, pool: PoolBlocks) -> None:
+        store, m, B = self.stores[layer], self.block_size, xn.shape[0]
+        rows = xn if store.pending is None else torch.cat([store.pending, xn], dim=1)
+        n_blocks = rows.shape[1] // m
+        store.pending = rows[:, n_blocks * m:].clone()
+        if n_blocks:
+            blocks = rows[:, : n_blocks * m].reshape(B, n_blocks, m, -1)  # (B, N', m, C)
+            store.add_entries(*pool(blocks, torch.full((B,), store.n_entries, device=xn.device)))
+
+    def has_entries(self, source: int) -> bool:
+        return self.stores[source].n_entries > 0
+
+    def index_keys(self, source: int) -> Tensor:
+        return self.stores[source].index_keys
+
+    def gather(self, source: int, idx: Tensor) -> tuple[Tensor, Tensor]:
+        store = self.stores[source]
+        rows = torch.arange(idx.shape[0], device=idx.device)[:, None, None]
+        return store.k[rows, idx], store.v[rows, idx]

@@ -1,0 +1,206 @@
+"""The serving engine: CEDEngine's verbs over many resident conversations at once.
+
+Conversations live in a `PagePool` (ced/paged.py). `prefill` runs one chunk of a turn through the adapter-free
+stage; `replay` rebuilds the adapter-bound windows of several rows in one call; `step` appends one token to every
+row of a batch, each row under its own adapter. The arithmetic is the model's own (`shared_stage`,
+`decoder_stage`), run over a `PagedCache`; a row run alone gives the serial engine's (CEDEngine) logits bit for
+bit, and in a batch within float tolerance (tests/test_batched.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .engine import CEDEngine, ContextTooLongError, StateError
+from .model import SharedOutput
+from .paged import PagedCache, PagePool, Resident, selection_or_none
+from .state import AdapterState, ConversationState, GlobalKV, LocalWindow, Selection, SharedState, StateDelta
+
+
+class BatchedEngine:
+    def __init__(self, engine: CEDEngine, page_entries: int = 64):
+        self.engine, self.model, self.config = engine, engine.model, engine.config
+        self.adapters = engine.adapters
+        self.pool = PagePool(self.config, next(self.model.parameters()).dtype, page_entries)
+        self.bound_layers = frozenset(self.config.adapter_bound_layers)
+
+    # -- conversations in the pool ----------------------------------------------------------------------------
+
+    def open(self, state: ConversationState | None = None) -> Resident:
+        """A resident conversation: empty, or the copy of `state` (a conversation read back from disk)."""
+        row = self.pool.open()
+        if state is not None and state.length:
+            self._import(row, state)
+        return row
+
+    def close(self, row: Resident) -> None:
+        self.pool.release(row)
+
+    # -- the verbs ----------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, row: Resident, tokens: list[int]) -> Tensor:
+        """One chunk of new tokens through the adapter-free stage; returns their H19 (n, C)."""
+        tokens = self._checked(row, tokens)
+        start = row.length
+        self.pool.reserve(row, start + len(tokens))
+        cache = PagedCache(self.pool, [row], [start], len(tokens))
+        with self.engine._rows([None]):
+            out = self.model.shared_stage(torch.tensor([tokens]), _positions([start], len(tokens)), cache)
+        self._keep_stream([row], [start], out)
+        row.tokens.extend(tokens)
+        row.bound_length = -1  # the history grew without the decoder: the next turn replays
+        self.engine.stats.prefilled_positions += len(tokens)
+        return out.h19[0]
+
+    @torch.inference_mode()
+    def replay(self, rows: list[Resident], adapters: list[str | None]) -> tuple[Tensor, list[int]]:
+        """Rebuild each row's adapter-bound windows over its last W positions under its adapter: next-token
+        logits (R, V) and the positions replayed per row. Rows of equal window length share one call."""
+        for row, adapter in zip(rows, adapters):
+            if row.length == 0:
+                raise StateError("nothing to replay: the conversation is empty")
+            self.adapters.slot_of(adapter)  # an unknown adapter fails before any row is touched
+        counts = [min(self.config.window, row.length) for row in rows]
+        logits: list[Tensor | None] = [None] * len(rows)
+        for n in sorted(set(counts)):
+            group = [i for i, count in enumerate(counts) if count == n]
+            members, starts = [rows[i] for i in group], [rows[i].length - n for i in group]
+            slots, positions = torch.tensor([row.slot for row in members]), _positions(starts, n)
+            stream = self.pool.read_ring(self.pool.stream, slots, positions)  # (R, n, C)
+            selection = Selection(self.pool.read_ring(self.pool.sel_idx, slots, positions),
+                                  self.pool.read_ring(self.pool.sel_valid, slots, positions))
+            cache = PagedCache(self.pool, members, starts, n, fresh=self.bound_layers)
+            with self.engine._rows([adapters[i] for i in group]):
+                hidden = self.model.decoder_stage(stream, positions, selection, cache)
+                out = self.model.lm_head(hidden[:, -1])  # (R, V)
+            for j, i in enumerate(group):
+                logits[i] = out[j]
+                rows[i].bound_adapter, rows[i].bound_length = adapters[i], rows[i].length
+        self.engine.stats.replayed_positions += sum(counts)
+        return torch.stack(logits), counts
+
+    @torch.inference_mode()
+    def step(self, rows: list[Resident], tokens: list[int], adapters: list[str | None]) -> Tensor:
+        """Append one token to every row (both stages), each under the adapter whose windows are current:
+        next-token logits (B, V)."""
+        for row, token, adapter in zip(rows, tokens, adapters):
+            self._checked(row, [token])
+            if row.bound_length != row.length or row.bound_adapter != adapter:
+                raise StateError(f"the adapter-bound windows are for {row.bound_adapter!r} at length "
+                                 f"{row.bound_length}, not {adapter!r} at {row.length}: replay first")
+        starts = [row.length for row in rows]
+        for row in rows:
+            self.pool.reserve(row, row.length + 1)
+        cache, positions = PagedCache(self.pool, rows, starts, 1), _positions(starts, 1)
+        with self.engine._rows(adapters):
+            out = self.model.shared_stage(torch.tensor(tokens)[:, None], positions, cache)
+            self._keep_stream(rows, starts, out)
+            hidden = self.model.decoder_stage(out.stream, positions, out.selection, cache)
+            logits = self.model.lm_head(hidden[:, -1])
+        for row, token in zip(rows, tokens):
+            row.tokens.append(token)
+            row.bound_length += 1
+        self.engine.stats.decoded_tokens += len(rows)
+        return logits
+
+    # -- state in and out -------------------------------------------------------------------------------------
+
+    def nbytes(self, row: Resident) -> int:
+        return self.pool.nbytes(row)
+
+    def delta(self, row: Resident, since: int) -> StateDelta:
+        """What the conversation gained since it held `since` tokens (0: all of it), for the journal: the new
+        tokens and global entries, and the W-bounded shared parts whole. O(new tokens + W)."""
+        m, n_from, n_to = self.config.block_size, since // self.config.block_size, row.length // self.config.block_size
+        table = self.pool.page_table([row])
+        numbers = torch.arange(n_from, n_to)[None]
+        pages, offsets = self.pool.entry_places(table, numbers)
+        entries = {s: (self.pool.gk[s][pages, offsets].clone(), self.pool.gv[s][pages, offsets].clone(),
+                       self.pool.gi[s][pages, offsets].clone()) for s in self.config.source_layers}
+        held = row.length % m
+        pending = {s: self.pool.pending[s][row.slot: row.slot + 1, :held].clone() if held else None
+                   for s in self.config.source_layers}
+        count, slots = min(self.config.window, row.length), torch.tensor([row.slot])
+        positions = _positions([row.length - count], count)
+        windows = {layer: (self.pool.read_ring(self.pool.wk[layer], slots, positions).transpose(1, 2),
+                           self.pool.read_ring(self.pool.wv[layer], slots, positions).transpose(1, 2))
+                   for layer in range(self.config.decoder_start + 1)}
+        stream = self.pool.read_ring(self.pool.stream, slots, positions)
+        selection = (self.pool.read_ring(self.pool.sel_idx, slots, positions),
+                     self.pool.read_ring(self.pool.sel_valid, slots, positions))
+        return StateDelta(since, row.tokens[since:], entries, pending, windows, stream, selection, row.bound_adapter)
+
+    def export(self, row: Resident) -> ConversationState:
+        """The whole conversation as the serial engine's state (tests, transfer to another server)."""
+        delta = self.delta(row, 0)
+        state = ConversationState(
+            SharedState({layer: LocalWindow(self.config.window, *kv) for layer, kv in delta.windows.items()},
+                        {s: GlobalKV(*delta.entries[s], delta.pending[s]) if delta.entries[s][0].shape[1]
+                         else GlobalKV(pending=delta.pending[s]) for s in self.config.source_layers},
+                        delta.stream, Selection(*delta.selection), list(row.tokens)),
+            AdapterState(row.bound_adapter, self.model.new_windows(self.config.adapter_bound_layers)))
+        if row.bound_length == row.length:
+            slots = torch.tensor([row.slot])
+            positions = _positions([row.length - min(self.config.window, row.length)],
+                                   min(self.config.window, row.length))
+            for layer in self.config.adapter_bound_layers:
+                state.bound.windows[layer] = LocalWindow(
+                    self.config.window, self.pool.read_ring(self.pool.wk[layer], slots, positions).transpose(1, 2),
+                    self.pool.read_ring(self.pool.wv[layer], slots, positions).transpose(1, 2))
+            state.bound.length, state.bound.digest = row.length, self.adapters.digest(row.bound_adapter)
+        return state
+
+    def _import(self, row: Resident, state: ConversationState) -> None:
+        shared, length = state.shared, state.length
+        self.pool.reserve(row, length)
+        slots, table = torch.tensor([row.slot]), self.pool.page_table([row])
+        for s, store in shared.globals.items():
+            if store.n_entries:
+                pages, offsets = self.pool.entry_places(table, torch.arange(store.n_entries)[None])
+                self.pool.gk[s][pages, offsets], self.pool.gv[s][pages, offsets] = store.k, store.v
+                self.pool.gi[s][pages, offsets] = store.index_keys
+            if store.pending is not None and store.pending.shape[1]:
+                self.pool.pending[s][row.slot, : store.pending.shape[1]] = store.pending[0]
+        count = shared.stream.shape[1]
+        start = [length - count]
+        for layer, window in shared.windows.items():
+            self.pool.write_ring(self.pool.wk[layer], slots, start, window.k.transpose(1, 2))
+            self.pool.write_ring(self.pool.wv[layer], slots, start, window.v.transpose(1, 2))
+        self.pool.write_ring(self.pool.stream, slots, start, shared.stream)
+        self.pool.write_ring(self.pool.sel_idx, slots, start, shared.selection.idx)
+        self.pool.write_ring(self.pool.sel_valid, slots, start, shared.selection.valid)
+        row.tokens = list(shared.tokens)
+        bound = state.bound
+        if bound.length == length and all(len(w) for w in bound.windows.values()):
+            for layer, window in bound.windows.items():
+                self.pool.write_ring(self.pool.wk[layer], slots, [length - len(window)], window.k.transpose(1, 2))
+                self.pool.write_ring(self.pool.wv[layer], slots, [length - len(window)], window.v.transpose(1, 2))
+            row.bound_adapter, row.bound_length = bound.adapter, length
+
+    # -- helpers ------------------------------------------------------------------------------------------------
+
+    def _checked(self, row: Resident, tokens: list[int]) -> list[int]:
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise ValueError("no tokens given")
+        bad = [t for t in tokens if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} out of range 0..{self.config.vocab_size - 1}")
+        if row.length + len(tokens) > self.config.max_context:
+            raise ContextTooLongError(f"context would reach {row.length + len(tokens)} tokens, over the configured "
+                                      f"maximum of {self.config.max_context}")
+        return tokens
+
+    def _keep_stream(self, rows: list[Resident], starts: list[int], out: SharedOutput) -> None:
+        """Layer E's post-attention stream and top-k choice of the new positions, into the replay rings."""
+        slots, (B, T, _) = torch.tensor([row.slot for row in rows]), out.stream.shape
+        selection = selection_or_none(out.selection, B, T, self.config.index_top_k)
+        self.pool.write_ring(self.pool.stream, slots, starts, out.stream)
+        self.pool.write_ring(self.pool.sel_idx, slots, starts, selection.idx)
+        self.pool.write_ring(self.pool.sel_valid, slots, starts, selection.valid)
+
+
+def _positions(starts: list[int], length: int) -> Tensor:
+    return torch.tensor(starts)[:, None] + torch.arange(length)[None]  # (B, T)

@@ -1,0 +1,208 @@
+"""The serving engine's conversation state: many conversations resident in one pool, read by batched steps.
+
+Global KV and indexer keys live in fixed-size pages (`page_entries` entries each) appended in place; each
+conversation holds a page table. Local windows, the replay stream and layer E's top-k choice are ring buffers of W
+positions in a slot of the conversation's own (position p at p % W). Nothing is ever concatenated with the
+history: a step writes its new positions and reads by gather. `PagedCache` is the `AttentionCache` of one batch
+of rows over the pool, so the model's arithmetic (ced/model.py) is the same as on the reference objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .config import CEDConfig
+from .state import PoolBlocks, Selection
+
+FAR = -(1 << 30)  # the position given to an empty ring place: farther than any window reaches
+
+
+@dataclass
+class Resident:
+    """One conversation in the pool: its slot (rings), its pages (global entries) and its tokens."""
+
+    slot: int
+    pages: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    bound_adapter: str | None = None  # whose windows fill the adapter-bound rings
+    bound_length: int = -1  # the context length those windows are current for (-1: none)
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+class PagePool:
+    """Buffers allocated once and doubled when full (amortised: never per turn)."""
+
+    def __init__(self, config: CEDConfig, dtype: torch.dtype, page_entries: int = 64, slots: int = 4,
+                 pages: int = 16):
+        self.config, self.dtype, self.page_entries = config, dtype, page_entries
+        c, self.W = config, config.window
+        self.wk = {layer: self._zeros(slots, self.W, c.n_heads, c.head_dim) for layer in range(c.n_layers)}
+        self.wv = {layer: self._zeros(slots, self.W, c.n_heads, c.head_dim) for layer in range(c.n_layers)}
+        self.pending = {s: self._zeros(slots, c.block_size, c.hidden_size) for s in c.source_layers}
+        self.stream = self._zeros(slots, self.W, c.hidden_size)
+        self.sel_idx = torch.zeros(slots, self.W, c.index_top_k, dtype=torch.long)
+        self.sel_valid = torch.zeros(slots, self.W, c.index_top_k, dtype=torch.bool)
+        self.gk = {s: self._zeros(pages, page_entries, c.n_heads, c.head_dim) for s in c.source_layers}
+        self.gv = {s: self._zeros(pages, page_entries, c.n_heads, c.head_dim) for s in c.source_layers}
+        self.gi = {s: self._zeros(pages, page_entries, c.index_dim) for s in c.source_layers}
+        self.free_slots, self.free_pages = list(range(slots))[::-1], list(range(pages))[::-1]
+
+    def _zeros(self, *shape) -> Tensor:
+        return torch.zeros(*shape, dtype=self.dtype)
+
+    @property
+    def n_slots(self) -> int:
+        return self.stream.shape[0]
+
+    @property
+    def n_pages(self) -> int:
+        return next(iter(self.gk.values())).shape[0]
+
+    def _grow(self, buffers: dict, extra: int) -> None:
+        for key, buffer in buffers.items():
+            buffers[key] = torch.cat([buffer, torch.zeros(extra, *buffer.shape[1:], dtype=buffer.dtype)])
+
+    def open(self) -> Resident:
+        if not self.free_slots:
+            extra = self.n_slots
+            self._grow(self.wk, extra), self._grow(self.wv, extra), self._grow(self.pending, extra)
+            rings = {"stream": self.stream, "sel_idx": self.sel_idx, "sel_valid": self.sel_valid}
+            self._grow(rings, extra)
+            self.stream, self.sel_idx, self.sel_valid = rings["stream"], rings["sel_idx"], rings["sel_valid"]
+            self.free_slots = list(range(self.n_slots - extra, self.n_slots))[::-1]
+        return Resident(self.free_slots.pop())
+
+    def reserve(self, conversation: Resident, length: int) -> None:
+        """Pages for the global entries of a context of `length` tokens."""
+        needed = -(-(length // self.config.block_size) // self.page_entries) - len(conversation.pages)
+        if needed > len(self.free_pages):
+            extra = max(self.n_pages, needed - len(self.free_pages))
+            self._grow(self.gk, extra), self._grow(self.gv, extra), self._grow(self.gi, extra)
+            self.free_pages = list(range(self.n_pages - extra, self.n_pages))[::-1] + self.free_pages
+        conversation.pages.extend(self.free_pages.pop() for _ in range(max(0, needed)))
+
+    def release(self, conversation: Resident) -> None:
+        self.free_slots.append(conversation.slot)
+        self.free_pages.extend(conversation.pages)
+        conversation.pages, conversation.slot = [], -1
+
+    def nbytes(self, conversation: Resident) -> int:
+        """Bytes this conversation holds (its slot and its pages)."""
+        slot = sum(b[0].numel() * b.element_size() for b in (*self.wk.values(), *self.wv.values(),
+                                                                *self.pending.values(), self.stream, self.sel_idx,
+                                                                self.sel_valid))
+        page = sum(b[0].numel() * b.element_size() for b in (*self.gk.values(), *self.gv.values(), *self.gi.values()))
+        return slot + page * len(conversation.pages)
+
+    # -- reading rings in order ------------------------------------------------------------------------------
+
+    def ring_positions(self, ends: list[int], count: int) -> Tensor:
+        """(B, count): the last `count` positions before each row's end, FAR where a row has fewer."""
+        positions = torch.tensor(ends)[:, None] - count + torch.arange(count)[None]
+        return positions.masked_fill(positions < 0, FAR)
+
+    def read_ring(self, ring: Tensor, slots: Tensor, positions: Tensor) -> Tensor:
+        """Rows of `ring` (slots, W, ...) at positions (B, S), in that order: (B, S, ...)."""
+        return ring[slots[:, None], positions % self.W]
+
+    def write_ring(self, ring: Tensor, slots: Tensor, starts: list[int], values: Tensor) -> None:
+        """values (B, T, ...) at positions starts..starts+T-1; only the last W can be kept."""
+        keep = min(values.shape[1], self.W)
+        positions = torch.tensor(starts)[:, None] + torch.arange(values.shape[1] - keep, values.shape[1])[None]
+        ring[slots[:, None], positions % self.W] = values[:, -keep:]
+
+    def page_table(self, rows: list[Resident]) -> Tensor:
+        width = max(1, max(len(row.pages) for row in rows))
+        return torch.tensor([row.pages + [0] * (width - len(row.pages)) for row in rows])  # pad: finite, masked
+
+    def entry_places(self, table: Tensor, entries: Tensor) -> tuple[Tensor, Tensor]:
+        """(page, offset) of entry numbers (B, ...) of each row."""
+        flat = entries.reshape(entries.shape[0], -1)
+        pages = table.gather(1, flat // self.page_entries).view_as(entries)
+        return pages, entries % self.page_entries
+
+
+class PagedCache:
+    """The AttentionCache of rows over the pool, for one call of T positions per row starting at `starts`.
+
+    `fresh` names layers whose past is empty for this call (replay rebuilds the adapter-bound windows)."""
+
+    def __init__(self, pool: PagePool, rows: list[Resident], starts: list[int], length: int,
+                 fresh: frozenset[int] = frozenset()):
+        self.pool, self.rows, self.starts, self.length, self.fresh = pool, rows, starts, length, fresh
+        self.slots = torch.tensor([row.slot for row in rows])
+        self.ends = [start + length for start in starts]
+        self.table = pool.page_table(rows)
+        self.m = pool.config.block_size
+        self._past = {}  # ring read positions per window length: shared by every layer of the call
+
+    def window(self, layer: int):
+        if layer in self.fresh:
+            return None, None, None
+        count = min(self.pool.W, max(self.starts))
+        if count == 0:
+            return None, None, None
+        if count not in self._past:
+            self._past[count] = self.pool.ring_positions(self.starts, count)
+        positions = self._past[count]
+        k = self.pool.read_ring(self.pool.wk[layer], self.slots, positions).transpose(1, 2)  # (B, H, S, D)
+        v = self.pool.read_ring(self.pool.wv[layer], self.slots, positions).transpose(1, 2)
+        return k, v, positions
+
+    def append_window(self, layer: int, k: Tensor, v: Tensor) -> None:
+        self.pool.write_ring(self.pool.wk[layer], self.slots, self.starts, k.transpose(1, 2))
+        self.pool.write_ring(self.pool.wv[layer], self.slots, self.starts, v.transpose(1, 2))
+
+    def compress(self, layer: int, xn: Tensor, pool_blocks: PoolBlocks) -> None:
+        pending, m = self.pool.pending[layer], self.m
+        if xn.shape[1] == 1:  # a decode step: each row adds one input; rows whose block it completes pool it
+            done = [b for b, start in enumerate(self.starts) if start % m == m - 1]
+            pending[self.slots, torch.tensor(self.starts) % m] = xn[:, 0]
+            if done:
+                blocks = pending[self.slots[done]][:, None]  # (R, 1, m, C)
+                first = torch.tensor([self.starts[b] // m for b in done])
+                self._store_entries(layer, done, first, *pool_blocks(blocks, first))
+            return
+        for b, (row, start) in enumerate(zip(self.rows, self.starts)):  # a chunk: rows one at a time
+            held = start % m
+            inputs = torch.cat([pending[row.slot, :held], xn[b]]) if held else xn[b]
+            n_blocks = inputs.shape[0] // m
+            rest = inputs[n_blocks * m:]
+            pending[row.slot, : rest.shape[0]] = rest
+            if n_blocks:
+                first = torch.tensor([start // m])
+                entries = pool_blocks(inputs[: n_blocks * m].reshape(1, n_blocks, m, -1), first)
+                self._store_entries(layer, [b], first, *entries)
+
+    def _store_entries(self, layer: int, rows: list[int], first: Tensor, k: Tensor, v: Tensor, keys: Tensor):
+        numbers = first[:, None] + torch.arange(k.shape[1])[None]  # (R, N')
+        pages, offsets = self.pool.entry_places(self.table[rows], numbers)
+        self.pool.gk[layer][pages, offsets] = k
+        self.pool.gv[layer][pages, offsets] = v
+        self.pool.gi[layer][pages, offsets] = keys
+
+    def has_entries(self, source: int) -> bool:
+        return max(self.ends) >= self.m
+
+    def index_keys(self, source: int) -> Tensor:
+        n = max(self.ends) // self.m
+        keys = self.pool.gi[source][self.table]  # (B, pages, P, I)
+        return keys.flatten(1, 2)[:, :n]
+
+    def gather(self, source: int, idx: Tensor) -> tuple[Tensor, Tensor]:
+        pages, offsets = self.pool.entry_places(self.table, idx)
+        return self.pool.gk[source][pages, offsets], self.pool.gv[source][pages, offsets]
+
+
+def selection_or_none(selection: Selection | None, rows: int, length: int, top_k: int) -> Selection:
+    """Layer E's choice for the rings: all-invalid where no block has completed yet (as the serial engine keeps)."""
+    if selection is not None:
+        return selection
+    return Selection(torch.zeros(rows, length, top_k, dtype=torch.long),
+                     torch.zeros(rows, length, top_k, dtype=torch.bool))
