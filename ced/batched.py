@@ -117,8 +117,8 @@ class BatchedEngine:
         table = self.pool.page_table([row])
         numbers = torch.arange(n_from, n_to)[None]
         pages, offsets = self.pool.entry_places(table, numbers)
-        entries = {s: (self.pool.gk[s][pages, offsets].clone(), self.pool.gv[s][pages, offsets].clone(),
-                       self.pool.gi[s][pages, offsets].clone()) for s in self.config.source_layers}
+        entries = {s: (self.pool.gk[s][pages, offsets], self.pool.gv[s][pages, offsets],
+                       self.pool.gi[s][pages, offsets]) for s in self.config.source_layers} if n_to > n_from else {}
         held = row.length % m
         pending = {s: self.pool.pending[s][row.slot: row.slot + 1, :held].clone() if held else None
                    for s in self.config.source_layers}
@@ -137,8 +137,8 @@ class BatchedEngine:
         delta = self.delta(row, 0)
         state = ConversationState(
             SharedState({layer: LocalWindow(self.config.window, *kv) for layer, kv in delta.windows.items()},
-                        {s: GlobalKV(*delta.entries[s], delta.pending[s]) if delta.entries[s][0].shape[1]
-                         else GlobalKV(pending=delta.pending[s]) for s in self.config.source_layers},
+                        {s: GlobalKV(*delta.entries.get(s, (None, None, None)), delta.pending[s])
+                         for s in self.config.source_layers},
                         delta.stream, Selection(*delta.selection), list(row.tokens)),
             AdapterState(row.bound_adapter, self.model.new_windows(self.config.adapter_bound_layers)))
         if row.bound_length == row.length:

@@ -78,12 +78,12 @@ class CEDEngine:
     @contextmanager
     def _rows(self, adapters: Iterable[str | None]):
         slots = [self.adapters.slot_of(name) for name in adapters]  # raises on unknown names before any work
-        self.mapping.row_slots = torch.tensor(slots, dtype=torch.long)
-        self.mapping.host_slots = slots
+        self.mapping.set_rows(slots, self.adapters.n_slots, self.adapters.max_rank,
+                              next(self.model.parameters()).dtype)
         try:
             yield
         finally:
-            self.mapping.row_slots = self.mapping.host_slots = None
+            self.mapping.clear()
 
     def _check_tokens(self, state: ConversationState, tokens: list[int]) -> list[int]:
         tokens = [int(t) for t in tokens]

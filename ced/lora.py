@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -18,7 +19,19 @@ class LoRAMapping:
     """Which slot each row of the current batch uses; -1 (or None for the whole batch) means no adapter."""
 
     row_slots: Tensor | None = None  # (B,) long
-    host_slots: list[int] | None = None  # the same on the host: lets a module skip or pick rows without a sync
+    host_slots: list[int] | None = None  # the same on the host: lets a module skip its LoRA without a sync
+    row_mask: Tensor | None = None  # (B, 1, slots * max_rank): 1 over the rank block of each row's slot
+
+    def set_rows(self, slots: list[int], n_slots: int, max_rank: int, dtype: torch.dtype) -> None:
+        mask = torch.zeros(len(slots), n_slots, max_rank, dtype=dtype)
+        for row, slot in enumerate(slots):
+            if slot >= 0:
+                mask[row, slot] = 1
+        self.row_slots, self.host_slots = torch.tensor(slots, dtype=torch.long), slots
+        self.row_mask = mask.view(len(slots), 1, n_slots * max_rank)
+
+    def clear(self) -> None:
+        self.row_slots = self.host_slots = self.row_mask = None
 
 
 class MultiLoRALinear(nn.Module):
@@ -31,6 +44,7 @@ class MultiLoRALinear(nn.Module):
                              persistent=False)
         self.register_buffer("in_use", torch.zeros(n_slots, dtype=torch.bool), persistent=False)
         self.used = [False] * n_slots  # in_use on the host
+        self._b_rows: Tensor | None = None  # lora_b as (out, slots * max_rank), rebuilt after a change
 
     @property
     def in_features(self) -> int:
@@ -47,32 +61,31 @@ class MultiLoRALinear(nn.Module):
         self.lora_b[slot, :, :rank] = b_scaled.to(self.lora_b.dtype)
         self.in_use[slot] = True
         self.used[slot] = True
+        self._b_rows = None
 
     def reset_lora(self, slot: int) -> None:
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         self.in_use[slot] = False
         self.used[slot] = False
+        self._b_rows = None
 
     def forward(self, x: Tensor) -> Tensor:  # x: (B, T, in)
         y = self.base(x)
         slots, host = self.mapping.row_slots, self.mapping.host_slots
         if slots is None:
             return y
-        if host is not None:  # the rows that carry this module's adapter, found on the host
-            picked = [row for row, slot in enumerate(host) if slot >= 0 and self.used[slot]]
-            if not picked:
+        if host is not None:  # mixed batches: every slot's A at once, each row masked to its own rank block
+            if not any(slot >= 0 and self.used[slot] for slot in host):
                 return y
-            if len(picked) == len(host):  # every row: no row gather, and y + delta is index_add's sum
-                delta = torch.matmul(torch.matmul(x, self.lora_a[slots].transpose(1, 2)),
-                                     self.lora_b[slots].transpose(1, 2))
-                return y + delta
-            rows = torch.tensor(picked)
-        else:
-            active = (slots >= 0) & self.in_use[slots.clamp(min=0)]
-            if not bool(active.any()):
-                return y
-            rows = active.nonzero().squeeze(1)  # rows without an adapter are left untouched, bit for bit
+            if self._b_rows is None:
+                self._b_rows = self.lora_b.permute(1, 0, 2).reshape(self.out_features, -1).contiguous()
+            down = F.linear(x, self.lora_a.view(-1, self.in_features)) * self.mapping.row_mask  # (B, T, S*r)
+            return y + F.linear(down, self._b_rows)  # a row without an adapter adds exact zeros
+        active = (slots >= 0) & self.in_use[slots.clamp(min=0)]
+        if not bool(active.any()):
+            return y
+        rows = active.nonzero().squeeze(1)  # rows without an adapter are left untouched, bit for bit
         a, b = self.lora_a[slots[rows]], self.lora_b[slots[rows]]  # (R, r, in), (R, out, r)
         delta = torch.matmul(torch.matmul(x[rows], a.transpose(1, 2)), b.transpose(1, 2))  # (R, T, out)
         return y.index_add(0, rows, delta)

@@ -129,18 +129,33 @@ class ConversationState:
 
 @dataclass
 class StateDelta:
-    """What a conversation gained since it held `start_length` tokens (0: all of it): the new tokens and global
-    entries, and the W-bounded shared parts whole (they replace the earlier ones). A journal of these, replayed in
-    order, rebuilds the shared state; the adapter-bound windows are never kept, every turn replays them."""
+    """What one turn adds to a conversation's state: the records of a journal, replayed in order, rebuild it.
+    The adapter-bound windows are never kept: every turn replays them."""
 
-    start_length: int
-    tokens: list[int]
-    entries: dict[int, tuple[Tensor, Tensor, Tensor]]  # source layer -> k, v (1, n, H, D), index keys (1, n, I)
-    pending: dict[int, Tensor | None]  # source layer -> (1, p, C) inputs of the partial block, None if p == 0
-    windows: dict[int, tuple[Tensor, Tensor]]  # layers 0..E -> k, v (1, H, n, D), n = min(W, length)
-    stream: Tensor | None  # (1, n, C)
-    selection: tuple[Tensor, Tensor] | None  # idx (1, n, k) long, valid (1, n, k) bool
-    bound_adapter: str | None = None  # metadata: the adapter that answered the last turn
+    start_length: int  # tokens before this delta; 0 = a snapshot (the whole state)
+    tokens: list[int]  # tokens appended by this turn
+    # source layer -> (k (1,n,H,D), v (1,n,H,D), index_keys (1,n,I)): global entries added, in order (n may be 0);
+    # a layer that holds no entry at all yet may be absent
+    entries: dict[int, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict)
+    pending: dict[int, Tensor | None] = field(default_factory=dict)  # (1,p,C) partial block after the turn, None if p=0
+    windows: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)  # layers 0..E: (k (1,H,n,D), v), replaces
+    stream: Tensor | None = None  # (1,n,C) shared.stream after the turn (replaces)
+    selection: tuple[Tensor, Tensor] | None = None  # (idx (1,n,k) long, valid (1,n,k) bool) after the turn (replaces)
+    bound_adapter: str | None = None  # metadata only: the adapter that answered the turn
+
+    @property
+    def end_length(self) -> int:
+        return self.start_length + len(self.tokens)
+
+    def added_nbytes(self) -> int:
+        """Bytes this delta adds for good: its tokens and global entries."""
+        return 8 * len(self.tokens) + sum(t.nbytes for entry in self.entries.values() for t in entry)
+
+    def replaced_nbytes(self) -> int:
+        """Bytes of the W-bounded parts, which the next delta replaces."""
+        parts = [*self.pending.values(), *(t for w in self.windows.values() for t in w), self.stream,
+                 *(self.selection or ())]
+        return sum(t.nbytes for t in parts if t is not None)
 
 
 # -- what the model's attention reads and writes ---------------------------------------------------------------
