@@ -15,6 +15,8 @@ DESCRIPTIONS = {
     "mol2_requests": "turns served",
     "mol2_replayed_tokens": "positions replayed through the decoder",
     "mol2_router_decision_ms_total": "time spent in router decisions, milliseconds, summed",
+    "mol2_state_bytes_written": "bytes of conversation state written to the store (journal records)",
+    "mol2_state_bytes_moved": "bytes of conversation state copied between processes or read back from the store",
 }
 
 

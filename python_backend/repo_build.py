@@ -1,7 +1,8 @@
 """`mol2 repo build --adapter-set FILE`: one ensemble `mol2_<set>` per adapter set, side by side in one repository.
 
 The adapter-free stages (tokenize, prefill) are shared by every set: that is the point of the design. Each set
-gets its own router (its own cached option side), decode (its own adapter registry) and route-only model,
+gets its own engine (its own adapter registry and router head; conversations meet in the shared journal), router
+(its own cached option side), decode and route-only model,
 generated from the templates in model_repository/ with the set's file as their `adapter_set` parameter.
 """
 
@@ -33,7 +34,8 @@ def _with_parameter(config: str, key: str, value: str) -> str:
 
 def build(adapter_set: Path, repository: Path = TEMPLATES, name: str | None = None,
           router_dir: Path | None = None) -> list[str]:
-    """Write router_<set>, decode_<set>, route_<set> and mol2_<set> into `repository`; returns the names written.
+    """Write engine_<set>, router_<set>, decode_<set>, route_<set> and mol2_<set> into `repository` (router and
+    decode serve the set when the server is split in two); returns the names written.
 
     The set's router head: `router_dir`, else a `router/` folder beside the set's file, else the served model's
     own head (the router model's "auto"), so a set kept anywhere still routes."""
@@ -45,7 +47,7 @@ def build(adapter_set: Path, repository: Path = TEMPLATES, name: str | None = No
         raise FileNotFoundError(f"--router-dir {router_dir} holds no router head (config.json)")
     name = name or set_name_of(adapter_set)
     written = []
-    for stage in ("router", "decode", "route"):
+    for stage in ("engine", "router", "decode", "route"):
         target = repository / f"{stage}_{name}"
         (target / "1").mkdir(parents=True, exist_ok=True)
         shutil.copy2(TEMPLATES / stage / "1" / "model.py", target / "1" / "model.py")
@@ -53,7 +55,7 @@ def build(adapter_set: Path, repository: Path = TEMPLATES, name: str | None = No
         config = config.replace(f'name: "{stage}"', f'name: "{stage}_{name}"', 1)
         if stage != "route":  # route runs no adapters: it calls the set's router
             config = _with_parameter(config, "adapter_set", str(adapter_set))
-        if stage == "router" and router_dir is not None:
+        if stage in ("engine", "router") and router_dir is not None:
             config = _with_parameter(config, "router_dir", str(Path(router_dir).resolve()))
         if stage == "route":
             config = _with_parameter(config, "router_model", f"router_{name}")
@@ -61,8 +63,7 @@ def build(adapter_set: Path, repository: Path = TEMPLATES, name: str | None = No
         written.append(target.name)
     ensemble = (TEMPLATES / "mol2" / "config.pbtxt").read_text()
     ensemble = ensemble.replace('name: "mol2"', f'name: "mol2_{name}"', 1)
-    ensemble = ensemble.replace('model_name: "router"', f'model_name: "router_{name}"')
-    ensemble = ensemble.replace('model_name: "decode"', f'model_name: "decode_{name}"')
+    ensemble = ensemble.replace('model_name: "engine"', f'model_name: "engine_{name}"')
     target = repository / f"mol2_{name}"
     (target / "1").mkdir(parents=True, exist_ok=True)
     (target / "config.pbtxt").write_text(ensemble)

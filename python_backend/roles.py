@@ -16,7 +16,7 @@ from .serving import ROOT
 
 ROLES = ("all", "prefill", "decode")
 RELAY_MODEL = ROOT / "python_backend" / "templates" / "relay_model.py"
-_ENSEMBLE_STEP = re.compile(r'model_name: "((?:router|decode)[a-z0-9_]*)"')
+_ENGINE_STEP = re.compile(r'model_name: "engine([a-z0-9_]*)"')
 
 
 def models_of(repository: Path) -> dict[str, str]:
@@ -31,11 +31,12 @@ def decode_models(repository: Path) -> list[str]:
 
 def relay_config(ensemble_config: str, name: str, decode_url: str) -> str:
     """The ensemble's config turned into a decoupled Python model with the same inputs and outputs."""
-    steps = dict.fromkeys(_ENSEMBLE_STEP.findall(ensemble_config))
-    router = next((m for m in steps if m.startswith("router")), None)
-    decode = next((m for m in steps if m.startswith("decode")), None)
-    if router is None or decode is None:
-        raise ValueError(f"ensemble {name!r} has no router or decode step: cannot split it for disaggregation")
+    # The single server runs the turn in its `engine<set>` model; split, the same set's `router<set>` routes here
+    # and `decode<set>` decodes on the decode server.
+    engine = _ENGINE_STEP.search(ensemble_config)
+    if engine is None:
+        raise ValueError(f"ensemble {name!r} has no engine step: cannot split it for disaggregation")
+    router, decode = f"router{engine[1]}", f"decode{engine[1]}"
     head = ensemble_config[:ensemble_config.index("ensemble_scheduling")]
     head = head.replace('platform: "ensemble"', 'backend: "python"\nmodel_transaction_policy { decoupled: true }')
     parameters = {"router_model": router, "decode_model": decode, "decode_url": decode_url}
@@ -51,8 +52,8 @@ def build_prefill_repository(source: Path, dest: Path, decode_url: str) -> list[
     dest.mkdir(parents=True)
     relays = []
     for name, config in models_of(source).items():
-        if name in decode_models(source):
-            continue  # decode runs on the decode server
+        if name in decode_models(source) or name == "engine" or name.startswith("engine_"):
+            continue  # decode runs on the decode server; the single server's engine is not needed
         if 'platform: "ensemble"' in config:
             (dest / name / "1").mkdir(parents=True)
             (dest / name / "config.pbtxt").write_text(relay_config(config, name, decode_url))

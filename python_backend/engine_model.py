@@ -1,0 +1,224 @@
+"""The `engine` Triton model: one decoupled model that runs a whole turn (prefill -> route -> replay -> decode) on
+conversations resident in its own pool, every active turn batched by the scheduler. `pb` is passed in, so the
+request parsing and the responses are tested without a server.
+
+The router still runs between the adapter-free stage and the decoder inside the request: the scheduler routes a
+turn on its pooled H19 when its prefill ends. Requests are only parsed and queued here (`execute` returns at
+once); the scheduler's thread sends every response. With `--engine onnxruntime` (or tensorrt) the same turn runs
+serially through the Triton-free stages instead (python_backend/stages.py), one turn at a time.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import traceback
+import uuid
+
+import numpy as np
+
+from ced.batched import BatchedEngine
+from ced.engine import SamplingParams
+
+from .detokenize import text_delta, window
+from .metrics import Counters
+from .scheduler import CancelledTurn, Scheduler, Turn
+from .adapter_set import sync_registry
+from .serving import Served
+from .stages import BASE_NAME, DecodeStage, RequestError, RouterStage
+from .store import check_id
+from .triton_io import as_scalar, as_text, error_response, json_tensor, optional, required, text_tensor
+
+
+class EngineModel:
+    def __init__(self, pb, served: Served, scorer, parameters: dict[str, str]):
+        self.pb, self.served = pb, served
+        self.router = RouterStage(scorer)
+        self.decode = DecodeStage(served.engine, served.store, served.tokenizer, served.load_errors)
+        self.counters = Counters(pb, "engine")
+        self.final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        self._synced = served.watcher.current  # the set the engine's registry holds (Served.open synced it)
+        if served.settings.engine == "torch":
+            self.scheduler = Scheduler(BatchedEngine(served.engine), served.store, served.tokenizer,
+                                       self._engine_adapter, self._sync_adapters,
+                                       token_budget=int(parameters.get("token_budget", "512")),
+                                       max_resident=int(parameters.get("max_resident", "64"))).start()
+            self.serial = None
+        else:  # exported graphs: CEDEngine's interface, one conversation per call
+            self.scheduler = None
+            self.serial = SerialTurns(self)
+
+    def finalize(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.stop()
+
+    def _sync_adapters(self) -> list[str]:
+        """On the thread that runs the engine, between steps: bring the registry to the set `execute` last read."""
+        current = self.served.watcher.current
+        if current is self._synced:
+            return []
+        self._synced = current
+        return sync_registry(self.served.engine.adapters, current, self.served.fingerprints, self.served.load_errors)
+
+    def _engine_adapter(self, decision) -> str | None:
+        self.counters.add("mol2_routes_read", str(decision.adapter_hash))
+        return self.decode.adapter_for(self.served.watcher.current, decision.adapter_hash)
+
+    # -- requests ------------------------------------------------------------------------------------------------
+
+    def execute(self, requests) -> None:
+        self.served.watcher.poll()  # the adapter-set file changed: this request already sees the new set
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                turn = self.parse(request, sender)
+            except ValueError as error:
+                sender.send(error_response(self.pb, str(error)), flags=self.final)
+                continue
+            except Exception as error:  # noqa: BLE001 - ours: logged, one line to the client
+                self.pb.Logger.log_error(f"engine: {traceback.format_exc()}")
+                sender.send(error_response(self.pb, f"engine failed: {type(error).__name__}: {error}", "INTERNAL"),
+                            flags=self.final)
+                continue
+            if self.scheduler is not None:
+                self.scheduler.submit(turn)
+            else:
+                self.serial.submit(turn)
+
+    def parse(self, request, sender) -> Turn:
+        pb = self.pb
+        get = lambda name, kind, default: as_scalar(optional(pb, request, name), name, kind, default)  # noqa: E731
+        text_ids = required(pb, request, "_text_ids").reshape(-1).tolist()
+        if not text_ids:
+            raise RequestError("text_input is empty")
+        max_tokens = get("max_tokens", int, 64)
+        if not 1 <= max_tokens <= 4096:
+            raise RequestError(f"max_tokens must be between 1 and 4096, got {max_tokens}")
+        sampling = SamplingParams(temperature=get("temperature", float, 0.0), top_k=get("top_k", int, 0),
+                                  top_p=get("top_p", float, 1.0), seed=get("seed", int, None))
+        explicit = as_text(optional(pb, request, "adapter"), "adapter")
+        adapter_set = self.served.watcher.current
+        if explicit:
+            self.router.run(adapter_set, None, explicit)  # an unknown name is refused here, before any work
+        given = as_text(optional(pb, request, "conversation_id"), "conversation_id")
+        conversation_id = check_id(given) if given else uuid.uuid4().hex
+        if given and not self.served.store.exists(conversation_id):
+            raise RequestError(f"unknown conversation_id {given!r} (ended, expired or never started)")
+        turn = Turn(conversation_id, text_ids, self._router_for(adapter_set, explicit),
+                    ResponseSink(self, sender, bool(get("stream", bool, False))), max_tokens, sampling,
+                    bool(get("ignore_eos", bool, False)), bool(get("end_conversation", bool, False)),
+                    explicit=bool(explicit), new=not given)
+        self.served.store.begin_turn(conversation_id)  # a second turn on it is refused until this one ends
+        return turn
+
+    def _router_for(self, adapter_set, explicit: str | None):
+        def route(pooled):
+            decision = self.router.run(adapter_set, pooled, explicit)
+            self.counters.add("mol2_routes_written", decision.adapter)
+            if decision.routed:
+                self.counters.add("mol2_router_decision_ms_total", decision.adapter, decision.decision_ms)
+            return decision
+        return route
+
+
+class ResponseSink:
+    """Sends a turn's responses: one per token when streaming (the text each adds), else one at the end."""
+
+    def __init__(self, model: EngineModel, sender, stream: bool):
+        self.model, self.sender, self.stream = model, sender, stream
+        self.decode = model.served.tokenizer.decode
+
+    def _response(self, turn: Turn, fresh: int, last: bool):
+        pb, ids = self.model.pb, turn.generated
+        text = text_delta(self.decode, window(ids, fresh), fresh, last)
+        adapter = turn.decision.adapter if turn.decision else BASE_NAME
+        return pb.InferenceResponse([
+            text_tensor(pb, "text_output", text), text_tensor(pb, "applied_adapter", adapter),
+            pb.Tensor("replayed_tokens", np.array([turn.replayed], dtype=np.int32)),
+            pb.Tensor("output_tokens", np.array([len(ids)], dtype=np.int32)),
+            json_tensor(pb, "route_scores", turn.decision.scores if turn.decision else {}),
+            text_tensor(pb, "conversation_id_out", turn.conversation_id)])
+
+    def token(self, token: int, turn: Turn) -> None:
+        if len(turn.generated) == 1:
+            adapter = turn.decision.adapter
+            self.model.counters.add("mol2_routes_applied", adapter)
+            self.model.counters.add("mol2_replayed_tokens", adapter, turn.replayed)
+        if self.stream:
+            self.sender.send(self._response(turn, 1, False))
+
+    def finished(self, turn: Turn) -> None:
+        counters, adapter = self.model.counters, turn.decision.adapter
+        counters.add("mol2_requests", adapter)
+        counters.add("mol2_state_bytes_written", adapter, turn.bytes_written)
+        counters.add("mol2_state_bytes_moved", adapter, turn.bytes_moved)
+        # Streamed: the last response adds no ids, it flushes a character left unfinished (and carries FINAL).
+        self.sender.send(self._response(turn, 0 if self.stream else len(turn.generated), True),
+                         flags=self.model.final)
+
+    def failed(self, error: Exception, turn: Turn) -> None:
+        pb = self.model.pb
+        if isinstance(error, CancelledTurn):
+            self.sender.send(flags=self.model.final)
+        elif isinstance(error, ValueError):
+            self.sender.send(error_response(pb, str(error)), flags=self.model.final)
+        else:
+            pb.Logger.log_error(f"engine: turn failed: {''.join(traceback.format_exception(error))}")
+            self.sender.send(error_response(pb, f"engine failed: {type(error).__name__}: {error}", "INTERNAL"),
+                             flags=self.model.final)
+
+    def cancelled(self) -> bool:
+        return self.sender.is_cancelled()
+
+
+class SerialTurns:
+    """A worker thread that runs queued turns one at a time through the serial stages (non-torch engines)."""
+
+    def __init__(self, model: EngineModel):
+        self.model, self.queue = model, queue.Queue()
+        threading.Thread(target=self._run, name="mol2-serial", daemon=True).start()
+
+    def submit(self, turn: Turn) -> None:
+        self.queue.put(turn)
+
+    def _run(self) -> None:
+        while True:
+            turn = self.queue.get()
+            try:
+                self._serve(turn)
+            except Exception as error:  # noqa: BLE001
+                turn.sink.failed(error, turn)
+            finally:
+                self.model.served.store.end_turn(turn.conversation_id)
+
+    def _serve(self, turn: Turn) -> None:
+        served, model = self.model.served, self.model
+        changes = model._sync_adapters()
+        if changes:
+            model.pb.Logger.log_info(f"adapter set changed: {'; '.join(changes)}")
+        cid = None if turn.new else turn.conversation_id
+        state = served.engine.new_conversation() if turn.new else served.store.load(cid)
+        tokens = served.tokenizer.user_turn(turn.text_ids, first=state.length == 0)
+        if state.length + len(tokens) >= served.engine.config.max_context:
+            raise RequestError(f"the conversation would reach {state.length + len(tokens)} tokens, over the "
+                               f"context limit of {served.engine.config.max_context}")
+        h19 = served.engine.prefill(state, tokens)
+        skip = 1 if turn.new and served.tokenizer.trained else 0
+        turn.decision = turn.route(None if turn.explicit else h19[skip:].mean(0))
+        adapter = model._engine_adapter(turn.decision)
+        logits, turn.replayed = served.engine.replay(state, adapter)
+        budget = min(turn.max_tokens, served.engine.config.max_context - state.length)
+        stop = () if turn.ignore_eos else served.tokenizer.stop_ids
+        for token in served.engine.generate(state, adapter, logits, budget, turn.sampling, stop):
+            if turn.sink.cancelled():
+                turn.sink.failed(CancelledTurn("cancelled by the client"), turn)
+                return
+            turn.generated.append(token)
+            turn.sink.token(token, turn)
+        before = served.store.bytes_written
+        if turn.end_conversation:
+            served.store.delete(turn.conversation_id)
+        else:
+            served.store.save(turn.conversation_id, state)
+        turn.bytes_written = served.store.bytes_written - before
+        turn.sink.finished(turn)

@@ -1,0 +1,337 @@
+"""In-flight batching: one loop steps every active turn of a server together.
+
+A turn moves through prefill (its new tokens through the adapter-free stage, in chunks of the engine's
+`prefill_chunk`), route (an explicit adapter wins; otherwise the MoL2 head on the turn's pooled H19), replay (W
+positions under the adapter: every turn, so a switch costs what a continue costs) and decode. Each iteration of
+the loop runs one batched decode step for every decoding row (each under its own adapter), then prefill chunks
+under a token budget (shortest remaining first, so a long prompt never holds back a short one), then one batched
+replay for the turns whose prefill just ended, whose first tokens go out in the same iteration. Rows join and
+leave at token boundaries.
+
+Conversations stay resident in the engine's pool between turns; the journal (ConversationStore) is the copy that
+survives. A resident copy is trusted only while the journal is the size this loop left it (another process may
+have written a turn: a second server on the store, a route model), else it is read back from the journal. A turn
+that fails or is cancelled stores nothing: its resident copy is dropped, the journal still holds the turn before.
+
+Everything here runs on the loop's thread; `submit` is the only entry from others.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+from torch import Tensor
+
+from ced.batched import BatchedEngine
+from ced.engine import SamplingParams, sample
+from ced.paged import Resident
+from ced.tokenization import ChatTokenizer
+
+from .stages import RequestError, RouteDecision
+from .store import ConversationStore
+
+log = logging.getLogger(__name__)
+
+
+class TurnSink(Protocol):
+    """Where a turn's results go (the Triton model's response sender, or a test's list)."""
+
+    def token(self, token: int, turn: "Turn") -> None: ...
+
+    def finished(self, turn: "Turn") -> None: ...
+
+    def failed(self, error: Exception, turn: "Turn") -> None: ...
+
+    def cancelled(self) -> bool: ...
+
+
+@dataclass
+class Turn:
+    conversation_id: str
+    text_ids: list[int]
+    route: Callable[[Tensor | None], RouteDecision]  # pooled H19 (None when explicit) -> the decision
+    sink: TurnSink
+    max_tokens: int = 64
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    ignore_eos: bool = False
+    end_conversation: bool = False
+    explicit: bool = False  # the client named the adapter: no H19 pooling needed
+    new: bool = False  # a conversation this turn starts
+    # progress, kept by the scheduler
+    row: Resident | None = None
+    tokens: list[int] = field(default_factory=list)  # the templated turn to prefill
+    prefilled: int = 0
+    h19: list[Tensor] = field(default_factory=list)
+    start_length: int = 0
+    decision: RouteDecision | None = None
+    adapter: str | None = None  # the engine's name (None = base)
+    digest: str = ""
+    replayed: int = 0
+    generated: list[int] = field(default_factory=list)
+    next_token: int | None = None  # sampled and sent, to be appended by the next step
+    last: bool = False  # next_token is the turn's last
+    generator: torch.Generator | None = None
+    submitted: float = field(default_factory=time.perf_counter)
+    bytes_written: int = 0
+    bytes_moved: int = 0
+
+
+@dataclass
+class SchedulerStats:
+    iterations: int = 0
+    decode_rows: int = 0  # summed over steps: / steps = mean batch
+    decode_steps: int = 0
+    prefill_tokens: int = 0
+    replays: int = 0
+
+
+class Scheduler:
+    def __init__(self, engine: BatchedEngine, store: ConversationStore, tokenizer: ChatTokenizer,
+                 engine_adapter: Callable[[RouteDecision], str | None], refresh: Callable[[], list[str]],
+                 token_budget: int = 512, max_resident: int = 64, prefill_chunk: int = 256):
+        self.engine, self.store, self.tokenizer = engine, store, tokenizer
+        self.engine_adapter, self.refresh = engine_adapter, refresh
+        self.token_budget, self.max_resident, self.prefill_chunk = token_budget, max_resident, prefill_chunk
+        self.stats = SchedulerStats()
+        self.incoming: queue.Queue[Turn] = queue.Queue()
+        self.prefilling: list[Turn] = []
+        self.decoding: list[Turn] = []
+        self.resident: OrderedDict[str, tuple[Resident, int]] = OrderedDict()  # id -> (row, journal size)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mol2-scheduler", daemon=True)
+
+    def start(self) -> "Scheduler":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.incoming.put(None)
+        self._thread.join(timeout=30)
+
+    def submit(self, turn: Turn) -> None:
+        self.incoming.put(turn)
+
+    @property
+    def active(self) -> int:
+        return len(self.prefilling) + len(self.decoding)
+
+    # -- the loop -------------------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.iterate(block=True)
+            except Exception:  # a bug of ours: every active turn gets the error, the loop goes on
+                log.exception("scheduler iteration failed")
+                for turn in self.prefilling + self.decoding:
+                    self._fail(turn, RuntimeError("the serving loop failed on this turn's batch (see the log)"))
+                self.prefilling, self.decoding = [], []
+
+    def iterate(self, block: bool = False) -> None:
+        """One iteration (tests call it directly): admit, decode step, prefill chunks, replay."""
+        self._admit(block and not self.active)
+        if self._stop.is_set():
+            return
+        self._maybe_refresh()
+        self._drop_cancelled()
+        self.stats.iterations += 1
+        budget = self.token_budget
+        if self.decoding:
+            budget -= len(self.decoding)
+            self._decode_step()
+        ready = self._prefill(budget)
+        if ready:
+            self._replay(ready)
+
+    def drain(self) -> None:
+        """Run until nothing is left (tests)."""
+        while self.active or not self.incoming.empty():
+            self.iterate()
+
+    # -- admission --------------------------------------------------------------------------------------------------
+
+    def _admit(self, block: bool) -> None:
+        while True:
+            try:
+                turn = self.incoming.get(timeout=0.5) if block else self.incoming.get_nowait()
+            except queue.Empty:
+                return
+            if turn is None:
+                return
+            block = False
+            try:
+                self._open(turn)
+                self.prefilling.append(turn)
+            except Exception as error:  # noqa: BLE001 - the turn is refused, the loop goes on
+                self._fail(turn, error)
+
+    def _open(self, turn: Turn) -> None:
+        row = self._resident_row(turn)
+        turn.row, turn.start_length = row, row.length
+        turn.tokens = self.tokenizer.user_turn(turn.text_ids, first=row.length == 0)
+        limit = self.engine.config.max_context
+        if row.length + len(turn.tokens) >= limit:
+            raise RequestError(f"the conversation would reach {row.length + len(turn.tokens)} tokens, over the "
+                               f"context limit of {limit}")
+        if turn.sampling.seed is not None:
+            turn.generator = torch.Generator().manual_seed(turn.sampling.seed)
+
+    def _resident_row(self, turn: Turn) -> Resident:
+        """The conversation in the pool, read back from the journal when the pool's copy is missing or stale."""
+        cid = turn.conversation_id
+        held = self.resident.pop(cid, None)
+        size = self.store.journal_size(cid)
+        if held is not None and held[1] == size:
+            return held[0]
+        if held is not None:
+            self.engine.close(held[0])
+        if turn.new:
+            return self.engine.open()
+        state = self.store.load(cid)  # raises UnknownConversation / StoreError with the client's message
+        row = self.engine.open(state)
+        turn.bytes_moved += self.engine.nbytes(row)  # a miss reads the whole state once
+        return row
+
+    # -- the three kinds of work ---------------------------------------------------------------------------------
+
+    def _prefill(self, budget: int) -> list[Turn]:
+        ready, spent = [], 0
+        for turn in sorted(self.prefilling, key=lambda t: len(t.tokens) - t.prefilled):
+            while turn.prefilled < len(turn.tokens):
+                chunk = turn.tokens[turn.prefilled: turn.prefilled + self.prefill_chunk]
+                if spent and spent + len(chunk) > budget:
+                    break
+                turn.h19.append(self.engine.prefill(turn.row, chunk))
+                turn.prefilled += len(chunk)
+                spent += len(chunk)
+            if turn.prefilled == len(turn.tokens):
+                ready.append(turn)
+            if spent >= budget:
+                break
+        self.stats.prefill_tokens += spent
+        for turn in ready:
+            self.prefilling.remove(turn)
+        routed = []
+        for turn in ready:
+            try:
+                self._route(turn)
+                routed.append(turn)
+            except Exception as error:  # noqa: BLE001
+                self._fail(turn, error)
+        return routed
+
+    def _route(self, turn: Turn) -> None:
+        pooled = None
+        if not turn.explicit:
+            skip = 1 if turn.start_length == 0 and self.tokenizer.trained else 0  # as the head was trained
+            pooled = torch.cat(turn.h19)[skip:].mean(0)
+        turn.h19 = []
+        turn.decision = turn.route(pooled)
+        turn.adapter = self.engine_adapter(turn.decision)
+        turn.digest = self.engine.adapters.digest(turn.adapter)
+
+    def _replay(self, turns: list[Turn]) -> None:
+        logits, counts = self.engine.replay([t.row for t in turns], [t.adapter for t in turns])
+        self.stats.replays += len(turns)
+        for turn, row_logits, count in zip(turns, logits, counts):
+            turn.replayed = count
+            self.decoding.append(turn)
+            self._next(turn, row_logits)
+
+    def _decode_step(self) -> None:
+        rows = list(self.decoding)
+        logits = self.engine.step([t.row for t in rows], [t.next_token for t in rows], [t.adapter for t in rows])
+        self.stats.decode_steps += 1
+        self.stats.decode_rows += len(rows)
+        for turn, row_logits in zip(rows, logits):
+            if turn.last:
+                self._finish(turn)
+            else:
+                self._next(turn, row_logits)
+
+    def _next(self, turn: Turn, logits: Tensor) -> None:
+        """Sample the turn's next token and send it; it is appended by the next step (as CEDEngine.generate)."""
+        if len(turn.generated) >= turn.max_tokens or turn.row.length >= self.engine.config.max_context:
+            self._finish(turn)
+            return
+        token = sample(logits, turn.sampling, turn.generator)
+        turn.generated.append(token)
+        turn.next_token = token
+        stop = token in self.tokenizer.stop_ids and not turn.ignore_eos
+        turn.last = stop or len(turn.generated) >= turn.max_tokens
+        turn.sink.token(token, turn)
+
+    # -- the end of a turn ---------------------------------------------------------------------------------------------
+
+    def _finish(self, turn: Turn) -> None:
+        self.decoding.remove(turn)
+        cid = turn.conversation_id
+        try:
+            if turn.end_conversation:
+                self.store.delete(cid)
+                self.engine.close(turn.row)
+            else:
+                before = self.store.bytes_written
+                self.store.append(cid, self.engine.delta(turn.row, turn.start_length))
+                turn.bytes_written = self.store.bytes_written - before
+                self.resident[cid] = (turn.row, self.store.journal_size(cid))
+                self._evict()
+        except Exception as error:  # noqa: BLE001 - not stored: the client must not think it was
+            self.resident.pop(cid, None)
+            self.engine.close(turn.row)
+            self._release(turn)
+            turn.sink.failed(error, turn)
+            return
+        self._release(turn)
+        turn.sink.finished(turn)
+
+    def _fail(self, turn: Turn, error: Exception) -> None:
+        for active in (self.prefilling, self.decoding):
+            if turn in active:
+                active.remove(turn)
+        if turn.row is not None:  # the resident copy holds part of the failed turn: the journal's is the good one
+            self.resident.pop(turn.conversation_id, None)
+            self.engine.close(turn.row)
+            turn.row = None
+        self._release(turn)
+        turn.sink.failed(error, turn)
+
+    def _release(self, turn: Turn) -> None:
+        self.store.end_turn(turn.conversation_id)
+
+    def _drop_cancelled(self) -> None:
+        for turn in [t for t in self.prefilling + self.decoding if t.sink.cancelled()]:
+            self._fail(turn, CancelledTurn("cancelled by the client"))
+
+    def _evict(self) -> None:
+        """Idle conversations beyond `max_resident` leave the pool (the journal keeps them)."""
+        while len(self.resident) > self.max_resident:
+            _, (row, _) = self.resident.popitem(last=False)
+            self.engine.close(row)
+
+    def _maybe_refresh(self) -> None:
+        """Take a changed adapter-set file between steps; a decoding row whose adapter changed under it stops."""
+        changes = self.refresh()
+        if not changes:
+            return
+        log.info("adapter set changed: %s", "; ".join(changes))
+        for turn in list(self.decoding):
+            try:
+                current = self.engine.adapters.digest(turn.adapter)
+            except ValueError:
+                current = None
+            if current != turn.digest:
+                self._fail(turn, RequestError(f"adapter {turn.adapter!r} was changed during this turn; "
+                                              "send the turn again"))
+
+
+class CancelledTurn(Exception):
+    pass
