@@ -1,0 +1,127 @@
+"""The scheduler without a server: interleaved turns give each conversation the serial engine's tokens and write
+the journal; a cancelled row stops at the next step and stores nothing while the others go on; a long prompt is
+prefilled in chunks while decoding rows keep getting a token every iteration."""
+
+from __future__ import annotations
+
+import pytest
+
+from ced import CEDEngine, CEDForCausalLM
+from ced.batched import BatchedEngine
+from ced.tokenization import ChatTokenizer
+from python_backend.scheduler import CancelledTurn, Scheduler, Turn
+from python_backend.stages import RouteDecision
+from python_backend.store import ConversationStore
+
+
+class Sink:
+    def __init__(self, cancel_after: int | None = None):
+        self.tokens, self.done, self.error, self.cancel_after = [], False, None, cancel_after
+
+    def token(self, token, turn):
+        self.tokens.append(token)
+
+    def finished(self, turn):
+        self.done = True
+
+    def failed(self, error, turn):
+        self.error = error
+
+    def cancelled(self):
+        return self.cancel_after is not None and len(self.tokens) >= self.cancel_after
+
+
+def make_engine(served_dir) -> CEDEngine:
+    engine = CEDEngine(CEDForCausalLM.from_pretrained(served_dir / "model"))
+    for name in ("chat", "coding"):
+        engine.adapters.load(name, served_dir / "adapters" / name)
+    return engine
+
+
+@pytest.fixture()
+def parts(served_dir, tmp_path):
+    engine = make_engine(served_dir)
+    store = ConversationStore(tmp_path, engine.config)
+    tokenizer = ChatTokenizer(served_dir / "model")
+    scheduler = Scheduler(BatchedEngine(engine), store, tokenizer, lambda decision: decision.adapter, lambda: [],
+                          prefill_chunk=64, token_budget=80)
+    return scheduler, store, tokenizer
+
+
+def turn(cid, text, adapter, sink, tokenizer, new=True, max_tokens=6):
+    decision = RouteDecision(adapter, 0)
+    return Turn(cid, tokenizer.encode(text), lambda pooled: decision, sink, max_tokens=max_tokens, explicit=True,
+                new=new)
+
+
+def serial_tokens(served_dir, tokenizer, turns, max_tokens=6):
+    engine, state, out = make_engine(served_dir), None, []
+    state = engine.new_conversation()
+    for text, adapter in turns:
+        logits = engine.turn(state, tokenizer.user_turn(tokenizer.encode(text), state.length == 0), adapter).logits
+        out.append(list(engine.generate(state, adapter, logits, max_tokens, stop_tokens=tokenizer.stop_ids)))
+    return out
+
+
+def test_interleaved_turns_are_each_conversations_serial_run(parts, served_dir):
+    scheduler, store, tokenizer = parts
+    scripts = {f"c{n}": [(f"conversation {n} turn {t}", ["chat", "coding"][(n + t) % 2]) for t in range(3)]
+               for n in range(4)}
+    got = {cid: [] for cid in scripts}
+    for t in range(3):
+        sinks = {}
+        for cid, script in scripts.items():
+            sinks[cid] = Sink()
+            store.begin_turn(cid)
+            scheduler.submit(turn(cid, script[t][0], script[t][1], sinks[cid], tokenizer, new=t == 0))
+        scheduler.drain()
+        for cid, sink in sinks.items():
+            assert sink.done and sink.error is None, sink.error
+            got[cid].append(sink.tokens)
+    for cid, script in scripts.items():
+        assert got[cid] == serial_tokens(served_dir, tokenizer, script), cid
+        assert store.length_of(cid) == scheduler.resident[cid][0].length
+    assert scheduler.stats.decode_rows > scheduler.stats.decode_steps  # rows really shared steps
+
+
+def test_a_cancelled_row_stops_and_stores_nothing(parts):
+    scheduler, store, tokenizer = parts
+    for cid in ("keep", "cancel"):
+        store.begin_turn(cid)
+        scheduler.submit(turn(cid, "first", "chat", Sink(), tokenizer))
+    scheduler.drain()
+    size = store.journal_size("cancel")
+    keep, cancel = Sink(), Sink(cancel_after=2)
+    for cid, sink in (("keep", keep), ("cancel", cancel)):
+        store.begin_turn(cid)
+        scheduler.submit(turn(cid, "second", "coding", sink, tokenizer, new=False, max_tokens=20))
+    scheduler.drain()
+    assert isinstance(cancel.error, CancelledTurn) and len(cancel.tokens) == 2
+    assert store.journal_size("cancel") == size and "cancel" not in scheduler.resident
+    assert keep.done and len(keep.tokens) > 2
+    store.begin_turn("cancel")  # the lock was released; the conversation continues from its last stored turn
+    again = Sink()
+    scheduler.submit(turn("cancel", "third", "chat", again, tokenizer, new=False))
+    scheduler.drain()
+    assert again.done
+
+
+def test_a_long_prompt_is_chunked_while_rows_decode(parts):
+    scheduler, store, tokenizer = parts
+    short = Sink()
+    store.begin_turn("short")
+    scheduler.submit(turn("short", "hi", "chat", short, tokenizer, max_tokens=40))
+    scheduler.iterate()  # prefilled and replayed: decoding from now on
+    assert short.tokens
+    long = Sink()
+    store.begin_turn("long")
+    scheduler.submit(turn("long", "word " * 200, "coding", long, tokenizer, max_tokens=2))  # ~1000 byte tokens
+    before = len(short.tokens)
+    iterations = 0
+    while not long.tokens:
+        scheduler.iterate()
+        iterations += 1
+    assert iterations > 5  # the prompt took several iterations (chunks of 64 under a budget of 80) ...
+    assert len(short.tokens) - before >= iterations - 1  # ... and the short row got a token in each of them
+    scheduler.drain()
+    assert short.done and long.done
