@@ -124,8 +124,8 @@ class BatchedEngine:
                    for s in self.config.source_layers}
         count, slots = min(self.config.window, row.length), torch.tensor([row.slot])
         positions = _positions([row.length - count], count)
-        windows = {layer: (self.pool.read_ring(self.pool.wk[layer], slots, positions).transpose(1, 2),
-                           self.pool.read_ring(self.pool.wv[layer], slots, positions).transpose(1, 2))
+        windows = {layer: (self.pool.read_window(self.pool.wk[layer], slots, positions),
+                           self.pool.read_window(self.pool.wv[layer], slots, positions))
                    for layer in range(self.config.decoder_start + 1)}
         stream = self.pool.read_ring(self.pool.stream, slots, positions)
         selection = (self.pool.read_ring(self.pool.sel_idx, slots, positions),
@@ -147,8 +147,8 @@ class BatchedEngine:
                                    min(self.config.window, row.length))
             for layer in self.config.adapter_bound_layers:
                 state.bound.windows[layer] = LocalWindow(
-                    self.config.window, self.pool.read_ring(self.pool.wk[layer], slots, positions).transpose(1, 2),
-                    self.pool.read_ring(self.pool.wv[layer], slots, positions).transpose(1, 2))
+                    self.config.window, self.pool.read_window(self.pool.wk[layer], slots, positions),
+                    self.pool.read_window(self.pool.wv[layer], slots, positions))
             state.bound.length, state.bound.digest = row.length, self.adapters.digest(row.bound_adapter)
         return state
 
@@ -166,8 +166,8 @@ class BatchedEngine:
         count = shared.stream.shape[1]
         start = [length - count]
         for layer, window in shared.windows.items():
-            self.pool.write_ring(self.pool.wk[layer], slots, start, window.k.transpose(1, 2))
-            self.pool.write_ring(self.pool.wv[layer], slots, start, window.v.transpose(1, 2))
+            self.pool.write_window(self.pool.wk[layer], slots, start, window.k)
+            self.pool.write_window(self.pool.wv[layer], slots, start, window.v)
         self.pool.write_ring(self.pool.stream, slots, start, shared.stream)
         self.pool.write_ring(self.pool.sel_idx, slots, start, shared.selection.idx)
         self.pool.write_ring(self.pool.sel_valid, slots, start, shared.selection.valid)
@@ -175,8 +175,8 @@ class BatchedEngine:
         bound = state.bound
         if bound.length == length and all(len(w) for w in bound.windows.values()):
             for layer, window in bound.windows.items():
-                self.pool.write_ring(self.pool.wk[layer], slots, [length - len(window)], window.k.transpose(1, 2))
-                self.pool.write_ring(self.pool.wv[layer], slots, [length - len(window)], window.v.transpose(1, 2))
+                self.pool.write_window(self.pool.wk[layer], slots, [length - len(window)], window.k)
+                self.pool.write_window(self.pool.wv[layer], slots, [length - len(window)], window.v)
             row.bound_adapter, row.bound_length = bound.adapter, length
 
     # -- helpers ------------------------------------------------------------------------------------------------

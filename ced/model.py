@@ -164,15 +164,7 @@ class CEDAttention(nn.Module):
             selection = self.indexer.select(xn, cache.index_keys(source), positions, self.config.block_size) \
                 if has_entries else None
 
-        past_k, past_v, past_pos = cache.window(layer)  # (B, H, S', D) x2, (B, S') or (1, S')
-        keys = k if past_k is None else torch.cat([past_k, k], dim=2)  # (B, H, S, D)
-        values = v if past_v is None else torch.cat([past_v, v], dim=2)
-        cache.append_window(layer, k, v)
-        if past_pos is None:
-            key_pos = positions  # (B or 1, S)
-        else:
-            rows = max(past_pos.shape[0], positions.shape[0])
-            key_pos = torch.cat([past_pos.expand(rows, -1), positions.expand(rows, -1)], dim=1)
+        keys, values, key_pos = cache.extend_window(layer, k, v, positions)  # (B, H, S, D) x2, (B or 1, S)
         scale = 1.0 / math.sqrt(self.config.head_dim)
         local = torch.matmul(q, keys.transpose(-1, -2)) * scale  # (B, H, T, S)
         distance = positions[:, :, None] - key_pos[:, None, :]  # (B, T, S)

@@ -42,8 +42,8 @@ class PagePool:
                  pages: int = 16):
         self.config, self.dtype, self.page_entries = config, dtype, page_entries
         c, self.W = config, config.window
-        self.wk = {layer: self._zeros(slots, self.W, c.n_heads, c.head_dim) for layer in range(c.n_layers)}
-        self.wv = {layer: self._zeros(slots, self.W, c.n_heads, c.head_dim) for layer in range(c.n_layers)}
+        self.wk = {layer: self._zeros(slots, c.n_heads, self.W, c.head_dim) for layer in range(c.n_layers)}
+        self.wv = {layer: self._zeros(slots, c.n_heads, self.W, c.head_dim) for layer in range(c.n_layers)}
         self.pending = {s: self._zeros(slots, c.block_size, c.hidden_size) for s in c.source_layers}
         self.stream = self._zeros(slots, self.W, c.hidden_size)
         self.sel_idx = torch.zeros(slots, self.W, c.index_top_k, dtype=torch.long)
@@ -117,6 +117,16 @@ class PagePool:
         positions = torch.tensor(starts)[:, None] + torch.arange(values.shape[1] - keep, values.shape[1])[None]
         ring[slots[:, None], positions % self.W] = values[:, -keep:]
 
+    def read_window(self, ring: Tensor, slots: Tensor, positions: Tensor) -> Tensor:
+        """Window keys or values (slots, H, W, D) at positions (B, S): (B, H, S, D)."""
+        return ring[slots[:, None], :, positions % self.W].transpose(1, 2)
+
+    def write_window(self, ring: Tensor, slots: Tensor, starts: list[int], values: Tensor) -> None:
+        """Keys or values (B, H, T, D) at positions starts..starts+T-1; only the last W can be kept."""
+        keep = min(values.shape[2], self.W)
+        positions = torch.tensor(starts)[:, None] + torch.arange(values.shape[2] - keep, values.shape[2])[None]
+        ring[slots[:, None], :, positions % self.W] = values[:, :, -keep:].transpose(1, 2)
+
     def page_table(self, rows: list[Resident]) -> Tensor:
         width = max(1, max(len(row.pages) for row in rows))
         return torch.tensor([row.pages + [0] * (width - len(row.pages)) for row in rows])  # pad: finite, masked
@@ -142,22 +152,31 @@ class PagedCache:
         self.m = pool.config.block_size
         self._past = {}  # ring read positions per window length: shared by every layer of the call
 
-    def window(self, layer: int):
-        if layer in self.fresh:
-            return None, None, None
-        count = min(self.pool.W, max(self.starts))
-        if count == 0:
-            return None, None, None
-        if count not in self._past:
-            self._past[count] = self.pool.ring_positions(self.starts, count)
-        positions = self._past[count]
-        k = self.pool.read_ring(self.pool.wk[layer], self.slots, positions).transpose(1, 2)  # (B, H, S, D)
-        v = self.pool.read_ring(self.pool.wv[layer], self.slots, positions).transpose(1, 2)
-        return k, v, positions
-
-    def append_window(self, layer: int, k: Tensor, v: Tensor) -> None:
-        self.pool.write_ring(self.pool.wk[layer], self.slots, self.starts, k.transpose(1, 2))
-        self.pool.write_ring(self.pool.wv[layer], self.slots, self.starts, v.transpose(1, 2))
+    def extend_window(self, layer: int, k: Tensor, v: Tensor, positions: Tensor):
+        pool, ring_k, ring_v = self.pool, self.pool.wk[layer], self.pool.wv[layer]
+        if self.length == 1 and layer not in self.fresh:
+            # A decode step: write first, then attend over each row's whole ring in place (its order does not
+            # matter to the softmax): one contiguous copy of the rows' rings, no reordering, no concatenation.
+            pool.write_window(ring_k, self.slots, self.starts, k)
+            pool.write_window(ring_v, self.slots, self.starts, v)
+            if "ring" not in self._past:
+                held = torch.tensor(self.starts)[:, None]
+                ring_positions = held - (held - torch.arange(pool.W)[None]).remainder(pool.W)  # (B, W)
+                self._past["ring"] = ring_positions.masked_fill(ring_positions < 0, FAR)
+            return ring_k.index_select(0, self.slots), ring_v.index_select(0, self.slots), self._past["ring"]
+        # A chunk (prefill, replay): the window before it in order, then the chunk itself.
+        count = 0 if layer in self.fresh else min(pool.W, max(self.starts))
+        if count:
+            if count not in self._past:
+                self._past[count] = pool.ring_positions(self.starts, count)
+            past = self._past[count]
+            past_k, past_v = pool.read_window(ring_k, self.slots, past), pool.read_window(ring_v, self.slots, past)
+        pool.write_window(ring_k, self.slots, self.starts, k)
+        pool.write_window(ring_v, self.slots, self.starts, v)
+        if not count:
+            return k, v, positions
+        return (torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2),
+                torch.cat([past, positions.expand(past.shape[0], -1)], dim=1))
 
     def compress(self, layer: int, xn: Tensor, pool_blocks: PoolBlocks) -> None:
         pending, m = self.pool.pending[layer], self.m

@@ -167,11 +167,10 @@ class AttentionCache(Protocol):
     """A layer's view of the conversation state of the rows it runs: the model does the arithmetic, the cache the
     bookkeeping. Layers are named by index; `source` is a global-KV source layer."""
 
-    def window(self, layer: int) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        """Keys and values (B, H, S, D) of the positions before this call, and their positions (B or 1, S)."""
-
-    def append_window(self, layer: int, k: Tensor, v: Tensor) -> None:
-        """Keep this call's keys and values (B, H, T, D) as the newest of the window."""
+    def extend_window(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Keep this call's keys and values (B, H, T, D) at positions (B or 1, T) as the newest of the window;
+        returns the keys and values (B, H, S, D) its queries may attend to, in any order, with their positions
+        (B or 1, S) (the model masks by distance)."""
 
     def compress(self, layer: int, xn: Tensor, pool: PoolBlocks) -> None:
         """Append the global entries of every block that completes with xn (B, T, C); keep the rest pending."""
@@ -192,14 +191,17 @@ class ListCache:
     def __init__(self, windows: dict[int, LocalWindow], stores: dict[int, GlobalKV], start: int, block_size: int):
         self.windows, self.stores, self.start, self.block_size = windows, stores, start, block_size
 
-    def window(self, layer: int):
+    def extend_window(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         window = self.windows[layer]
-        if len(window) == 0:
-            return None, None, None
-        return window.k, window.v, torch.arange(self.start - len(window), self.start, device=window.k.device)[None]
-
-    def append_window(self, layer: int, k: Tensor, v: Tensor) -> None:
-        self.windows[layer].append(k, v)
+        past = len(window)
+        keys = k if past == 0 else torch.cat([window.k, k], dim=2)  # (B, H, S, D)
+        values = v if past == 0 else torch.cat([window.v, v], dim=2)
+        window.append(k, v)
+        if past == 0:
+            return keys, values, positions
+        past_pos = torch.arange(self.start - past, self.start, device=k.device)[None]
+        rows = max(past_pos.shape[0], positions.shape[0])
+        return keys, values, torch.cat([past_pos.expand(rows, -1), positions.expand(rows, -1)], dim=1)
 
     def compress(self, layer: int, xn: Tensor, pool: PoolBlocks) -> None:
         store, m, B = self.stores[layer], self.block_size, xn.shape[0]

@@ -70,6 +70,7 @@ class ConversationStore:
         self.root, self.config = Path(root), config
         self.idle_timeout_s, self.stale_lock_s = idle_timeout_s, stale_lock_s
         self.run_id = os.environ.get(RUN_VARIABLE, "") if run_id is None else run_id  # "" when not started by us
+        self._held: set[str] = set()  # the turns this store began (its own lock does not mean "being written")
         self.compact_slack = compact_slack  # bytes a journal may exceed twice its live state by before compaction
         self.bytes_written = 0  # journal bytes this process wrote (appends and snapshots)
         self.last_write_bytes = 0  # bytes of the last save/append/compact
@@ -280,6 +281,9 @@ class ConversationStore:
         self.last_write_bytes = written
 
     def _turn_running(self, conversation_id: str) -> bool:
+        """Another turn (not one this store began) holds the lock."""
+        if conversation_id in self._held:
+            return False
         lock = self._lock(conversation_id)
         return lock.exists() and not self._stale(lock, time.time())
 
@@ -305,6 +309,8 @@ class ConversationStore:
                                    "send the next turn after this one's answer") from None
         os.write(descriptor, f"{self.run_id or '-'} {os.getpid()}".encode())
         os.close(descriptor)
+        self._held.add(conversation_id)
 
     def end_turn(self, conversation_id: str) -> None:
+        self._held.discard(conversation_id)
         self._lock(conversation_id).unlink(missing_ok=True)

@@ -1,4 +1,4 @@
-"""The batched engine over the paged pool: a row alone is the serial engine bit for bit; in a mixed batch (ragged
+"""The batched engine over the paged pool: a row's prefill and replay are the serial engine's bit for bit; in a mixed batch (ragged
 histories, each row under its own adapter) greedy tokens are the serial ones and logits agree to float tolerance;
 source independence stays bitwise; rows joining and leaving do not change the others' tokens."""
 
@@ -10,12 +10,10 @@ import torch
 from ced import CEDEngine
 from ced.batched import BatchedEngine
 
-from conftest import tiny_model
-
 LOGIT_TOLERANCE = 1e-4  # float32: measured up to ~6e-6 on the tiny preset (batch matmuls block differently)
 
 
-def make_engines(adapter_dirs):
+def make_engines(adapter_dirs, tiny_model):
     engines = []
     for _ in range(2):
         engine = CEDEngine(tiny_model(), max_adapters=4, max_rank=8)
@@ -53,11 +51,13 @@ ROWS = [(5, "A1"), (37, None), (300, "L0"), (130, "A1"), (16, "L0")]
 
 
 @pytest.fixture()
-def engines(adapter_dirs):
-    return make_engines(adapter_dirs)
+def engines(adapter_dirs, tiny_model):
+    return make_engines(adapter_dirs, tiny_model)
 
 
-def test_a_row_alone_is_the_serial_engine_bit_for_bit(engines):
+def test_a_row_alone_is_the_serial_engine(engines):
+    """Prefill and replay are the serial engine's bit for bit; a decode step attends over the window ring in place
+    (another summation order), so its logits agree to float tolerance."""
     serial, batched = engines
     tokens = history(300, 3)
     ids, expected = serial_run(serial, tokens, "L0", 12)
@@ -66,7 +66,8 @@ def test_a_row_alone_is_the_serial_engine_bit_for_bit(engines):
     got = [logits[0]]
     for token in ids:
         got.append(batched.step([row], [token], ["L0"])[0])
-    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert torch.equal(expected[0], got[0])
+    assert max(float((a - b).abs().max()) for a, b in zip(expected, got)) < LOGIT_TOLERANCE
 
 
 def test_a_mixed_batch_gives_each_rows_serial_tokens(engines):
@@ -150,7 +151,7 @@ def test_export_continues_in_the_serial_engine(engines):
         batched.step([row], [token], ["A1"])
     state = batched.export(row)  # mid-decode: bound windows current, so the serial engine steps on directly
     got = [serial.step(state, token, "A1") for token in ids[4:]]
-    assert all(torch.equal(a, b) for a, b in zip(expected[5:], got))
+    assert max(float((a - b).abs().max()) for a, b in zip(expected[5:], got)) < LOGIT_TOLERANCE
     reopened = batched.open(state)  # and back into the pool
     assert batched.step([reopened], [ids[-1]], ["A1"]).shape[0] == 1
 

@@ -123,8 +123,8 @@ def test_repo_build_writes_one_ensemble_per_set(served_dir, tmp_path):
     written = build(served_dir / "adapter_set.json", repository, name="support")
     assert written == ["engine_support", "router_support", "decode_support", "route_support", "mol2_support"]
     ensemble = (repository / "mol2_support" / "config.pbtxt").read_text()
-    assert 'name: "mol2_support"' in ensemble and 'model_name: "prefill"' in ensemble  # shared adapter-free stage
-    assert 'model_name: "engine_support"' in ensemble
+    assert 'name: "mol2_support"' in ensemble and 'model_name: "tokenize"' in ensemble  # the shared tokenizer
+    assert 'model_name: "engine_support"' in ensemble  # the set's engine: its registry and router head
     decode = (repository / "decode_support" / "config.pbtxt").read_text()
     assert str((served_dir / "adapter_set.json").resolve()) in decode and "decoupled: true" in decode
     assert (repository / "decode_support" / "1" / "model.py").is_file()
