@@ -9,10 +9,12 @@ bit, and in a batch within float tolerance (tests/test_batched.py).
 
 from __future__ import annotations
 
+from typing import Iterable, Iterator
+
 import torch
 from torch import Tensor
 
-from .engine import CEDEngine, ContextTooLongError, StateError
+from .engine import CEDEngine, ContextTooLongError, SamplingParams, StateError, sample
 from .model import SharedOutput
 from .paged import PagedCache, PagePool, Resident, selection_or_none
 from .state import AdapterState, ConversationState, GlobalKV, LocalWindow, Selection, SharedState, StateDelta
@@ -104,6 +106,20 @@ class BatchedEngine:
             row.bound_length += 1
         self.engine.stats.decoded_tokens += len(rows)
         return logits
+
+    def generate(self, row: Resident, adapter: str | None, logits: Tensor, max_tokens: int,
+                 sampling: SamplingParams | None = None, stop_tokens: Iterable[int] = ()) -> Iterator[int]:
+        """One row alone, as CEDEngine.generate: sample, append, repeat; each yielded token is in the state."""
+        sampling, stop = sampling or SamplingParams(), set(stop_tokens)
+        generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        for _ in range(max_tokens):
+            if row.length >= self.config.max_context:
+                return
+            token = sample(logits, sampling, generator)
+            logits = self.step([row], [token], [adapter])[0]
+            yield token
+            if token in stop:
+                return
 
     # -- state in and out -------------------------------------------------------------------------------------
 

@@ -29,6 +29,11 @@ def decode_models(repository: Path) -> list[str]:
             if name == "decode" or name.startswith("decode_")]
 
 
+def single_server_models(repository: Path) -> list[str]:
+    """What one server needs: the engines run whole turns, so decode and detokenize serve only a split server."""
+    return [name for name in models_of(repository) if name not in decode_models(repository) and name != "detokenize"]
+
+
 def relay_config(ensemble_config: str, name: str, decode_url: str) -> str:
     """The ensemble's config turned into a decoupled Python model with the same inputs and outputs."""
     # The single server runs the turn in its `engine<set>` model; split, the same set's `router<set>` routes here

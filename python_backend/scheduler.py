@@ -106,6 +106,7 @@ class Scheduler:
         self.resident: OrderedDict[str, tuple[Resident, int]] = OrderedDict()  # id -> (row, journal size)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mol2-scheduler", daemon=True)
+        self._last_expiry = time.monotonic()
 
     def start(self) -> "Scheduler":
         self._thread.start()
@@ -141,6 +142,7 @@ class Scheduler:
         if self._stop.is_set():
             return
         self._maybe_refresh()
+        self._maybe_expire()
         self._drop_cancelled()
         self.stats.iterations += 1
         budget = self.token_budget
@@ -239,7 +241,12 @@ class Scheduler:
         turn.digest = self.engine.adapters.digest(turn.adapter)
 
     def _replay(self, turns: list[Turn]) -> None:
-        logits, counts = self.engine.replay([t.row for t in turns], [t.adapter for t in turns])
+        try:
+            logits, counts = self.engine.replay([t.row for t in turns], [t.adapter for t in turns])
+        except Exception as error:  # noqa: BLE001 - e.g. an adapter unloaded since routing: these turns fail
+            for turn in turns:
+                self._fail(turn, error)
+            return
         self.stats.replays += len(turns)
         for turn, row_logits, count in zip(turns, logits, counts):
             turn.replayed = count
@@ -316,6 +323,18 @@ class Scheduler:
         while len(self.resident) > self.max_resident:
             _, (row, _) = self.resident.popitem(last=False)
             self.engine.close(row)
+
+    def _maybe_expire(self, every_s: float = 60.0) -> None:
+        """Idle conversations past the store's timeout end, in the journal and in the pool."""
+        now = time.monotonic()
+        if now - self._last_expiry < every_s:
+            return
+        self._last_expiry = now
+        for cid in self.store.expire():
+            held = self.resident.pop(cid, None)
+            if held is not None:
+                self.engine.close(held[0])
+            log.info("conversation %s expired", cid)
 
     def _maybe_refresh(self) -> None:
         """Take a changed adapter-set file between steps; a decoding row whose adapter changed under it stops."""

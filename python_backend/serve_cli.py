@@ -11,7 +11,7 @@ from pathlib import Path
 from ced.engines import ENGINE_KINDS
 
 from .launcher import LaunchError, Ports, start, stop, wait_ready
-from .roles import ROLES, build_prefill_repository, decode_models
+from .roles import ROLES, build_prefill_repository, decode_models, single_server_models
 from .serving import ROOT, demo_model_dir, write_demo_adapter_set
 
 
@@ -70,7 +70,8 @@ def role_repository(args: argparse.Namespace) -> tuple[Path, list[str]]:
         return generated, []
     if args.decode_url:
         raise SystemExit("--decode-url only applies to --role prefill")
-    return repository, []
+    loads = [f"--load-model={name}" for name in single_server_models(repository)]
+    return repository, ["--model-control-mode=explicit", *loads]
 
 
 def engine_settings(args: argparse.Namespace, model_dir: Path) -> dict[str, str]:

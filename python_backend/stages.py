@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor
 
+from ced.batched import BatchedEngine
 from ced.engine import CEDEngine, SamplingParams
 
 from .adapter_set import AdapterSet
@@ -138,8 +139,9 @@ class DecodeRequest:
 
 class DecodeStage:
     def __init__(self, engine: CEDEngine, store: ConversationStore, tokenizer: ChatTokenizer,
-                 load_errors: dict[str, str] | None = None):
-        self.engine, self.store, self.tokenizer = engine, store, tokenizer
+                 load_errors: dict[str, str] | None = None, batched: BatchedEngine | None = None):
+        """`batched`: decode on the serving engine's path (torch), so a split server answers as the single one."""
+        self.engine, self.store, self.tokenizer, self.batched = engine, store, tokenizer, batched
         self.load_errors = {} if load_errors is None else load_errors  # the set's adapters that failed to load
 
     def adapter_for(self, adapter_set: AdapterSet, value: int) -> str | None:
@@ -163,11 +165,22 @@ class DecodeStage:
             state = decode_state(request.state, self.engine.config)
             if state.length != request.meta.length:
                 raise RequestError(f"transfer says {request.meta.length} tokens, the state holds {state.length}")
-            logits, replayed = self.engine.replay(state, adapter)
             budget = min(request.max_tokens, self.engine.config.max_context - state.length)
-            for token in self.engine.generate(state, adapter, logits, budget, request.sampling,
-                                              self.tokenizer.stop_ids):
-                yield token, replayed
+            if self.batched is None:
+                logits, replayed = self.engine.replay(state, adapter)
+                for token in self.engine.generate(state, adapter, logits, budget, request.sampling,
+                                                  self.tokenizer.stop_ids):
+                    yield token, replayed
+            else:
+                row = self.batched.open(state)
+                try:
+                    logits, (replayed,) = self.batched.replay([row], [adapter])
+                    for token in self.batched.generate(row, adapter, logits[0], budget, request.sampling,
+                                                       self.tokenizer.stop_ids):
+                        yield token, replayed
+                    state = self.batched.export(row)
+                finally:
+                    self.batched.close(row)
             if request.return_state:
                 request.final_state = encode_state(state, self.engine.config)
             else:

@@ -10,6 +10,7 @@ import traceback
 import numpy as np
 import triton_python_backend_utils as pb
 
+from ced.batched import BatchedEngine
 from ced.engine import SamplingParams
 from python_backend.detokenize import window
 from python_backend.metrics import Counters
@@ -26,8 +27,9 @@ class TritonPythonModel:
         if not pb.using_decoupled_model_transaction_policy(config):
             raise pb.TritonModelException("decode must be decoupled (model_transaction_policy { decoupled: true })")
         self.served = Served.open(ServingSettings.from_parameters(triton_parameters(config)))
+        batched = BatchedEngine(self.served.engine) if self.served.settings.engine == "torch" else None
         self.stage = DecodeStage(self.served.engine, self.served.store, self.served.tokenizer,
-                                 self.served.load_errors)
+                                 self.served.load_errors, batched)
         self.counters = Counters(pb, "decode")
 
     def _parse(self, request) -> tuple[DecodeRequest, bool, str]:
