@@ -287,7 +287,8 @@ class Scheduler:
                 self.engine.close(turn.row)
             else:
                 before = self.store.bytes_written
-                self.store.append(cid, self.engine.delta(turn.row, turn.start_length))
+                row = turn.row
+                self.store.append(cid, self.engine.delta(row, turn.start_length), lambda: self.engine.delta(row, 0))
                 turn.bytes_written = self.store.bytes_written - before
                 self.resident[cid] = (turn.row, self.store.journal_size(cid))
                 self._evict()

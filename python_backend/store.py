@@ -22,6 +22,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from ced.config import CEDConfig
 from ced.state import ConversationState
@@ -115,9 +116,11 @@ class ConversationStore:
         else:
             self._append(conversation_id, journal, delta_of(state, journal.length), state)
 
-    def append(self, conversation_id: str, delta: StateDelta) -> None:
+    def append(self, conversation_id: str, delta: StateDelta,
+               snapshot: Callable[[], StateDelta] | None = None) -> None:
         """Append a delta taken elsewhere (journal.delta_of); it must start where the journal ends. A snapshot
-        (start_length 0) replaces the journal."""
+        (start_length 0) replaces the journal. `snapshot` gives the whole state when compaction is due (the
+        resident pool has it: no read of the journal back)."""
         journal = self._journal(conversation_id)
         if delta.start_length == 0:
             self._write_snapshot(conversation_id, delta)
@@ -125,7 +128,7 @@ class ConversationStore:
             raise StoreError(f"the delta for conversation {conversation_id!r} starts at token {delta.start_length}, "
                              f"its journal holds {0 if journal is None else journal.length}")
         else:
-            self._append(conversation_id, journal, delta, None)
+            self._append(conversation_id, journal, delta, None, snapshot)
 
     def compact(self, conversation_id: str) -> None:
         """Rewrite the journal as one snapshot of the state it holds."""
@@ -240,15 +243,19 @@ class ConversationStore:
         return True
 
     def _append(self, conversation_id: str, journal: _Journal, delta: StateDelta,
-                state: ConversationState | None) -> None:
+                state: ConversationState | None, snapshot: Callable[[], StateDelta] | None = None) -> None:
         record = encode_record(delta, self.config)
         added, replaced = journal.added + delta.added_nbytes(), delta.replaced_nbytes()
         # added + replaced: the bytes of the live state, what a snapshot of it holds; the rest is dead copies
         if journal.size + len(record) > 2 * (added + replaced) + self.compact_slack:
-            if state is None:  # a delta from elsewhere: the journal's state plus it
+            if state is not None:
+                self._write_snapshot(conversation_id, delta_of(state, 0))
+            elif snapshot is not None:
+                self._write_snapshot(conversation_id, snapshot())
+            else:  # a delta from elsewhere: the journal's state plus it
                 state = self.load(conversation_id)
                 apply_delta(state, delta)
-            self._write_snapshot(conversation_id, delta_of(state, 0))
+                self._write_snapshot(conversation_id, delta_of(state, 0))
             return
         # One write on an O_APPEND descriptor: it goes straight to the page cache, where every other process
         # reads it (no user-space buffer to flush; durability against a power cut is not asked for, so no fsync).
