@@ -14,7 +14,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import Tensor
 
-from .engine import CEDEngine, ContextTooLongError, SamplingParams, StateError, sample
+from .engine import CEDEngine, SamplingParams, StateError, check_tokens, sample
 from .model import SharedOutput
 from .paged import PagedCache, PagePool, Resident, selection_or_none
 from .state import AdapterState, ConversationState, GlobalKV, LocalWindow, Selection, SharedState, StateDelta
@@ -198,16 +198,7 @@ class BatchedEngine:
     # -- helpers ------------------------------------------------------------------------------------------------
 
     def _checked(self, row: Resident, tokens: list[int]) -> list[int]:
-        tokens = [int(t) for t in tokens]
-        if not tokens:
-            raise ValueError("no tokens given")
-        bad = [t for t in tokens if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} out of range 0..{self.config.vocab_size - 1}")
-        if row.length + len(tokens) > self.config.max_context:
-            raise ContextTooLongError(f"context would reach {row.length + len(tokens)} tokens, over the configured "
-                                      f"maximum of {self.config.max_context}")
-        return tokens
+        return check_tokens(self.config, row.length, tokens)
 
     def _keep_stream(self, rows: list[Resident], starts: list[int], out: SharedOutput) -> None:
         """Layer E's post-attention stream and top-k choice of the new positions, into the replay rings."""

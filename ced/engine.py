@@ -86,16 +86,7 @@ class CEDEngine:
             self.mapping.clear()
 
     def _check_tokens(self, state: ConversationState, tokens: list[int]) -> list[int]:
-        tokens = [int(t) for t in tokens]
-        if not tokens:
-            raise ValueError("no tokens given")
-        bad = [t for t in tokens if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} out of range 0..{self.config.vocab_size - 1}")
-        if state.length + len(tokens) > self.config.max_context:
-            raise ContextTooLongError(f"context would reach {state.length + len(tokens)} tokens, over the configured "
-                                      f"maximum of {self.config.max_context}")
-        return tokens
+        return check_tokens(self.config, state.length, tokens)
 
     # -- the two model calls: another engine (ONNX Runtime, TensorRT) overrides only these -----------------------
 
@@ -212,6 +203,20 @@ class CEDEngine:
             raise ValueError(f"{input_ids.shape[0]} rows but {len(adapters)} adapters")
         with self._rows(adapters):
             return self.model(input_ids, chunk_size=self.prefill_chunk).logits
+
+
+def check_tokens(config, length: int, tokens: list[int]) -> list[int]:
+    """Tokens that may join a context of `length`: ids in the vocabulary, within the context limit."""
+    tokens = [int(t) for t in tokens]
+    if not tokens:
+        raise ValueError("no tokens given")
+    bad = [t for t in tokens if not 0 <= t < config.vocab_size]
+    if bad:
+        raise ValueError(f"token ids {bad[:5]} out of range 0..{config.vocab_size - 1}")
+    if length + len(tokens) > config.max_context:
+        raise ContextTooLongError(f"context would reach {length + len(tokens)} tokens, over the configured "
+                                  f"maximum of {config.max_context}")
+    return tokens
 
 
 def sample(logits: Tensor, sampling: SamplingParams, generator: torch.Generator | None = None) -> int:
