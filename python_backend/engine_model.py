@@ -37,6 +37,7 @@ class EngineModel:
         self.decode = DecodeStage(served.engine, served.store, served.tokenizer, served.load_errors)
         self.counters = Counters(pb, "engine")
         self.final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        self.responder = Responder(pb)
         self._synced = served.watcher.current  # the set the engine's registry holds (Served.open synced it)
         if served.settings.engine == "torch":
             self.scheduler = Scheduler(BatchedEngine(served.engine), served.store, served.tokenizer,
@@ -128,16 +129,23 @@ class ResponseSink:
         self.model, self.sender, self.stream = model, sender, stream
         self.decode = model.served.tokenizer.decode
 
-    def _response(self, turn: Turn, fresh: int, last: bool):
-        pb, ids = self.model.pb, turn.generated
-        text = text_delta(self.decode, window(ids, fresh), fresh, last)
+    def _send(self, turn: Turn, fresh: int, last: bool, flags: int = 0) -> None:
+        """The response for the `fresh` newest ids, built and sent on the responder thread: what it needs of the
+        turn is taken now, while the scheduler goes on stepping."""
+        ids, count = window(turn.generated, fresh), len(turn.generated)
         adapter = turn.decision.adapter if turn.decision else BASE_NAME
-        return pb.InferenceResponse([
-            text_tensor(pb, "text_output", text), text_tensor(pb, "applied_adapter", adapter),
-            pb.Tensor("replayed_tokens", np.array([turn.replayed], dtype=np.int32)),
-            pb.Tensor("output_tokens", np.array([len(ids)], dtype=np.int32)),
-            json_tensor(pb, "route_scores", turn.decision.scores if turn.decision else {}),
-            text_tensor(pb, "conversation_id_out", turn.conversation_id)])
+        scores = turn.decision.scores if turn.decision else {}
+        replayed, conversation_id, pb = turn.replayed, turn.conversation_id, self.model.pb
+
+        def send():
+            text = text_delta(self.decode, ids, fresh, last)
+            self.sender.send(pb.InferenceResponse([
+                text_tensor(pb, "text_output", text), text_tensor(pb, "applied_adapter", adapter),
+                pb.Tensor("replayed_tokens", np.array([replayed], dtype=np.int32)),
+                pb.Tensor("output_tokens", np.array([count], dtype=np.int32)),
+                json_tensor(pb, "route_scores", scores), text_tensor(pb, "conversation_id_out", conversation_id)]),
+                flags=flags)
+        self.model.responder.put(send)
 
     def token(self, token: int, turn: Turn) -> None:
         if len(turn.generated) == 1:
@@ -145,7 +153,7 @@ class ResponseSink:
             self.model.counters.add("mol2_routes_applied", adapter)
             self.model.counters.add("mol2_replayed_tokens", adapter, turn.replayed)
         if self.stream:
-            self.sender.send(self._response(turn, 1, False))
+            self._send(turn, 1, False)
 
     def finished(self, turn: Turn) -> None:
         counters, adapter = self.model.counters, turn.decision.adapter
@@ -153,22 +161,42 @@ class ResponseSink:
         counters.add("mol2_state_bytes_written", adapter, turn.bytes_written)
         counters.add("mol2_state_bytes_moved", adapter, turn.bytes_moved)
         # Streamed: the last response adds no ids, it flushes a character left unfinished (and carries FINAL).
-        self.sender.send(self._response(turn, 0 if self.stream else len(turn.generated), True),
-                         flags=self.model.final)
+        self._send(turn, 0 if self.stream else len(turn.generated), True, self.model.final)
 
     def failed(self, error: Exception, turn: Turn) -> None:
-        pb = self.model.pb
+        pb, final = self.model.pb, self.model.final
         if isinstance(error, CancelledTurn):
-            self.sender.send(flags=self.model.final)
+            self.model.responder.put(lambda: self.sender.send(flags=final))
         elif isinstance(error, ValueError):
-            self.sender.send(error_response(pb, str(error)), flags=self.model.final)
+            message = str(error)
+            self.model.responder.put(lambda: self.sender.send(error_response(pb, message), flags=final))
         else:
             pb.Logger.log_error(f"engine: turn failed: {''.join(traceback.format_exception(error))}")
-            self.sender.send(error_response(pb, f"engine failed: {type(error).__name__}: {error}", "INTERNAL"),
-                             flags=self.model.final)
+            message = f"engine failed: {type(error).__name__}: {error}"
+            self.model.responder.put(lambda: self.sender.send(error_response(pb, message, "INTERNAL"), flags=final))
 
     def cancelled(self) -> bool:
         return self.sender.is_cancelled()
+
+
+class Responder:
+    """One thread that builds and sends responses in the order they were posted, so detokenizing and the IPC of
+    each response overlap the next step's arithmetic (which runs without the GIL) instead of adding to it."""
+
+    def __init__(self, pb):
+        self.pb, self.queue = pb, queue.Queue()
+        threading.Thread(target=self._run, name="mol2-responder", daemon=True).start()
+
+    def put(self, send) -> None:
+        self.queue.put(send)
+
+    def _run(self) -> None:
+        while True:
+            send = self.queue.get()
+            try:
+                send()
+            except Exception:  # noqa: BLE001 - a client gone mid-stream must not stop the others' responses
+                self.pb.Logger.log_error(f"engine: a response could not be sent: {traceback.format_exc()}")
 
 
 class SerialTurns:
