@@ -92,6 +92,29 @@ class BlockCompressor(nn.Module):
         self.index_key = nn.Linear(config.hidden_size, config.index_dim, bias=False)
 
 
+def top_k_recent(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k largest scores along the last dim, ties to the most recent (highest) index, ordered by score then
+    recency: entry numbers and their scores (..., k). The choice must not depend on how many queries share the
+    call (one-pass vs token by token), and ReLU scores tie at zero often, so `topk`'s unspecified tie order will
+    not do alone; a full stable sort would, but costs O(N log N) per query where this is O(N)."""
+    values, idx = scores.topk(k, dim=-1)  # the right set unless the k-th value ties with one left out
+    tied_out = (scores >= values[..., -1:]).sum(-1) > k
+    if tied_out.any():
+        rows = tied_out.nonzero(as_tuple=True)
+        idx[rows] = _top_k_packed(scores[rows], k)
+    idx = idx.sort(dim=-1, descending=True).values
+    values, order = scores.gather(-1, idx).sort(dim=-1, descending=True, stable=True)
+    return idx.gather(-1, order), values
+
+
+def _top_k_packed(scores: Tensor, k: int) -> Tensor:
+    """top_k_recent's set for rows with ties: each score's order as an integer above its index, so no two tie."""
+    bits = (scores + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0: the comparison has them equal
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)  # the floats' order, as integers
+    keys = (ordered << 32) | torch.arange(scores.shape[-1], device=scores.device)
+    return keys.topk(k, dim=-1).values & 0xFFFFFFFF
+
+
 class Indexer(nn.Module):
     """Index layers only: a ReLU-scored lightning indexer that picks the top-k global entries per query."""
 
@@ -106,15 +129,15 @@ class Indexer(nn.Module):
         entry's block ends after every query of its row, so the block-end mask hides it)."""
         B, T, _ = xn.shape
         q = self.query(xn).view(B, T, self.heads, self.dim)  # (B, T, h, I)
-        scores = torch.einsum("bthi,bni->bthn", q, index_keys).relu()  # (B, T, h, N)
-        scores = (scores * self.weight(xn).unsqueeze(-1)).sum(2)  # (B, T, N)
-        block_end = (torch.arange(index_keys.shape[1], device=xn.device) + 1) * block_size - 1
-        scores = scores.masked_fill(block_end[None, None, :] > positions[:, :, None], NEG_INF)
-        # Top-k by a stable sort, ties to the most recent block: the choice must not depend on how many queries
-        # share the call (one-pass vs token by token), and ReLU scores tie at zero often.
-        n, k = index_keys.shape[1], min(self.top_k, index_keys.shape[1])
-        values, order = scores.flip(-1).sort(dim=-1, descending=True, stable=True)
-        values, idx = values[..., :k], n - 1 - order[..., :k]  # (B, T, k)
+        N = index_keys.shape[1]
+        scores = torch.matmul(q.reshape(B, T * self.heads, self.dim), index_keys.transpose(1, 2)).relu_()
+        # the heads' weighted sum as one matmul per query: (1, h) x (h, N), no (B, T, h, N) product in memory
+        scores = torch.matmul(self.weight(xn).view(B * T, 1, self.heads), scores.view(B * T, self.heads, N))
+        scores = scores.view(B, T, N)
+        block_end = (torch.arange(N, device=xn.device) + 1) * block_size - 1
+        scores = scores.masked_fill_(block_end[None, None, :] > positions[:, :, None], NEG_INF)
+        k = min(self.top_k, N)
+        idx, values = top_k_recent(scores, k)
         valid = values > NEG_INF
         if k < self.top_k:  # fewer completed blocks than top_k: pad with invalid slots
             pad = self.top_k - k
