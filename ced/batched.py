@@ -39,6 +39,13 @@ class BatchedEngine:
     def close(self, row: Resident) -> None:
         self.pool.release(row)
 
+    def fork(self, row: Resident) -> Resident:
+        """A second conversation with `row`'s whole adapter-free state (the common pages shared); its adapter-bound
+        windows are not current, so its next turn replays, as every turn does."""
+        copy = self.pool.fork(row)
+        copy.bound_adapter, copy.bound_length = None, -1
+        return copy
+
     # -- the verbs ----------------------------------------------------------------------------------------------
 
     @torch.inference_mode()

@@ -52,6 +52,7 @@ class PagePool:
         self.gv = {s: self._zeros(pages, page_entries, c.n_heads, c.head_dim) for s in c.source_layers}
         self.gi = {s: self._zeros(pages, page_entries, c.index_dim) for s in c.source_layers}
         self.free_slots, self.free_pages = list(range(slots))[::-1], list(range(pages))[::-1]
+        self.page_refs = [0] * pages  # conversations holding each page: forks share their common prefix's pages
 
     def _zeros(self, *shape) -> Tensor:
         return torch.zeros(*shape, dtype=self.dtype)
@@ -85,20 +86,61 @@ class PagePool:
             extra = max(self.n_pages, needed - len(self.free_pages))
             self._grow(self.gk, extra), self._grow(self.gv, extra), self._grow(self.gi, extra)
             self.free_pages = list(range(self.n_pages - extra, self.n_pages))[::-1] + self.free_pages
-        conversation.pages.extend(self.free_pages.pop() for _ in range(max(0, needed)))
+            self.page_refs.extend([0] * extra)
+        for _ in range(max(0, needed)):
+            page = self.free_pages.pop()
+            self.page_refs[page] = 1
+            conversation.pages.append(page)
 
     def release(self, conversation: Resident) -> None:
         self.free_slots.append(conversation.slot)
-        self.free_pages.extend(conversation.pages)
+        for page in conversation.pages:
+            self.page_refs[page] -= 1
+            if not self.page_refs[page]:
+                self.free_pages.append(page)
         conversation.pages, conversation.slot = [], -1
+
+    def fork(self, conversation: Resident) -> Resident:
+        """A second conversation with this one's whole state: its rings copied into a slot of its own, its full
+        pages shared (append-only: neither writes them again), its last partial page copied (both append there)."""
+        copy = self.open()
+        for rings in (self.wk, self.wv, self.pending):
+            for ring in rings.values():
+                ring[copy.slot] = ring[conversation.slot]
+        for ring in (self.stream, self.sel_idx, self.sel_valid):
+            ring[copy.slot] = ring[conversation.slot]
+        n_entries = conversation.length // self.config.block_size
+        full = n_entries // self.page_entries
+        shared = conversation.pages[:full]
+        for page in shared:
+            self.page_refs[page] += 1
+        copy.pages = list(shared)
+        copy.tokens = list(conversation.tokens)
+        if len(conversation.pages) > full:  # entries of the last page so far, then room for the rest
+            self.reserve(copy, (full + 1) * self.page_entries * self.config.block_size)
+            last, own = conversation.pages[full], copy.pages[full]
+            for buffers in (self.gk, self.gv, self.gi):
+                for buffer in buffers.values():
+                    buffer[own] = buffer[last]
+        self.reserve(copy, copy.length)
+        return copy
+
+    def unshared_nbytes(self, conversations: list[Resident]) -> int:
+        """Bytes these conversations hold together, a page they share counted once."""
+        pages = {page for conversation in conversations for page in conversation.pages}
+        return len(conversations) * self.slot_nbytes() + len(pages) * self.page_nbytes()
 
     def nbytes(self, conversation: Resident) -> int:
         """Bytes this conversation holds (its slot and its pages)."""
-        slot = sum(b[0].numel() * b.element_size() for b in (*self.wk.values(), *self.wv.values(),
-                                                                *self.pending.values(), self.stream, self.sel_idx,
-                                                                self.sel_valid))
-        page = sum(b[0].numel() * b.element_size() for b in (*self.gk.values(), *self.gv.values(), *self.gi.values()))
-        return slot + page * len(conversation.pages)
+        return self.slot_nbytes() + self.page_nbytes() * len(conversation.pages)
+
+    def slot_nbytes(self) -> int:
+        return sum(b[0].numel() * b.element_size() for b in (*self.wk.values(), *self.wv.values(),
+                                                             *self.pending.values(), self.stream, self.sel_idx,
+                                                             self.sel_valid))
+
+    def page_nbytes(self) -> int:
+        return sum(b[0].numel() * b.element_size() for b in (*self.gk.values(), *self.gv.values(), *self.gi.values()))
 
     # -- reading rings in order ------------------------------------------------------------------------------
 
@@ -142,6 +184,8 @@ class PagedCache:
     """The AttentionCache of rows over the pool, for one call of T positions per row starting at `starts`.
 
     `fresh` names layers whose past is empty for this call (replay rebuilds the adapter-bound windows)."""
+
+    graph = False
 
     def __init__(self, pool: PagePool, rows: list[Resident], starts: list[int], length: int,
                  fresh: frozenset[int] = frozenset()):

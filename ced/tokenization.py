@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+ROLES = ("system", "user", "assistant")
 
 
 class ByteTokenizer:
@@ -48,3 +49,39 @@ class ChatTokenizer:
         if not self.trained:
             return list(text_ids)
         return ([self.bos] if first else []) + [self.user] + list(text_ids) + [self.stop_ids[0], self.assistant]
+
+    def render(self, messages: list[dict]) -> tuple[list[int], int]:
+        """A whole chat as the stateful path would have built it turn by turn: each user turn as `user_turn`, each
+        assistant message as the reply it stands for (its text, then `<|end|>`). The model has no system role: a
+        system message is rendered as a user turn. Returns the tokens and where the last user turn starts (what
+        the router pools, as it pools a stateful turn). The messages must be checked (`check_messages`) first."""
+        tokens, route_start = [], 0
+        for message in messages:
+            text_ids = self.encode(message["content"])
+            if message["role"] == "assistant":
+                tokens += text_ids + ([self.stop_ids[0]] if self.trained else [])
+                continue
+            first = not tokens
+            route_start = len(tokens) + (1 if first and self.trained else 0)  # the router skips <|bos|>
+            tokens += self.user_turn(text_ids, first)
+        return tokens, route_start
+
+    def completion_prompt(self, text: str) -> list[int]:
+        """A raw prompt (completions): its text, after `<|bos|>` as every sequence the model saw began."""
+        return ([self.bos] if self.trained else []) + self.encode(text)
+
+
+def check_messages(messages) -> list[dict]:
+    """A chat's messages as the client sent them (parsed JSON): a list of {role, content}, the last from the user."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {role, content} objects")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be an object with role and content")
+        if message.get("role") not in ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {message.get('role')!r}")
+        if not isinstance(message.get("content"), str):
+            raise ValueError(f"messages[{i}].content must be a string")
+    if messages[-1]["role"] == "assistant":
+        raise ValueError("the last message must be the user's (or system's): there is nothing to reply to")
+    return messages

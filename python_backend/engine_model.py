@@ -10,6 +10,7 @@ serially through the Triton-free stages instead (python_backend/stages.py), one 
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import traceback
@@ -19,6 +20,7 @@ import numpy as np
 
 from ced.batched import BatchedEngine
 from ced.engine import SamplingParams
+from ced.tokenization import check_messages
 
 from .detokenize import text_delta, window
 from .metrics import Counters
@@ -43,7 +45,9 @@ class EngineModel:
             self.scheduler = Scheduler(BatchedEngine(served.engine), served.store, served.tokenizer,
                                        self._engine_adapter, self._sync_adapters,
                                        token_budget=int(parameters.get("token_budget", "512")),
-                                       max_resident=int(parameters.get("max_resident", "64"))).start()
+                                       max_resident=int(parameters.get("max_resident", "64")),
+                                       prefix_cache_bytes=int(parameters.get("prefix_cache_mb", "1024")) << 20
+                                       ).start()
             self.serial = None
         else:  # exported graphs: CEDEngine's interface, one conversation per call
             self.scheduler = None
@@ -89,8 +93,9 @@ class EngineModel:
     def parse(self, request, sender) -> Turn:
         pb = self.pb
         get = lambda name, kind, default: as_scalar(optional(pb, request, name), name, kind, default)  # noqa: E731
-        text_ids = required(pb, request, "_text_ids").reshape(-1).tolist()
-        if not text_ids:
+        prompt, route_start = self._stateless_prompt(request)
+        text_ids = [] if prompt is not None else required(pb, request, "_text_ids").reshape(-1).tolist()
+        if prompt is None and not text_ids:
             raise RequestError("text_input is empty")
         max_tokens = get("max_tokens", int, 64)
         if not 1 <= max_tokens <= 4096:
@@ -102,15 +107,39 @@ class EngineModel:
         if explicit:
             self.router.run(adapter_set, None, explicit)  # an unknown name is refused here, before any work
         given = as_text(optional(pb, request, "conversation_id"), "conversation_id")
-        conversation_id = check_id(given) if given else uuid.uuid4().hex
+        if prompt is not None and given:
+            raise RequestError("conversation_id cannot be given with messages or prompt: those carry the whole "
+                               "history (stateless, served from the prefix cache)")
+        conversation_id = "" if prompt is not None else check_id(given) if given else uuid.uuid4().hex
         if given and not self.served.store.exists(conversation_id):
             raise RequestError(f"unknown conversation_id {given!r} (ended, expired or never started)")
         turn = Turn(conversation_id, text_ids, self._router_for(adapter_set, explicit),
                     ResponseSink(self, sender, bool(get("stream", bool, False))), max_tokens, sampling,
                     bool(get("ignore_eos", bool, False)), bool(get("end_conversation", bool, False)),
-                    explicit=bool(explicit), new=not given)
-        self.served.store.begin_turn(conversation_id)  # a second turn on it is refused until this one ends
+                    explicit=bool(explicit), new=not given and prompt is None, prompt=prompt,
+                    route_start=route_start)
+        if prompt is None:
+            self.served.store.begin_turn(conversation_id)  # a second turn on it is refused until this one ends
         return turn
+
+    def _stateless_prompt(self, request) -> tuple[list[int] | None, int]:
+        """A whole chat (`messages`, JSON) or a raw `prompt`, rendered to tokens; (None, 0) for a stateful turn."""
+        tokenizer = self.served.tokenizer
+        messages = as_text(optional(self.pb, request, "messages"), "messages")
+        prompt = as_text(optional(self.pb, request, "prompt"), "prompt")
+        if messages is not None and prompt is not None:
+            raise RequestError("give messages or prompt, not both")
+        if messages is not None:
+            try:
+                parsed = json.loads(messages)
+            except json.JSONDecodeError as error:
+                raise RequestError(f"messages is not valid JSON: {error}") from None
+            return tokenizer.render(check_messages(parsed))
+        if prompt is not None:
+            if not prompt:
+                raise RequestError("prompt is empty")
+            return tokenizer.completion_prompt(prompt), 0
+        return None, 0
 
     def _router_for(self, adapter_set, explicit: str | None):
         def route(pooled):
@@ -136,6 +165,7 @@ class ResponseSink:
         adapter = turn.decision.adapter if turn.decision else BASE_NAME
         scores = turn.decision.scores if turn.decision else {}
         replayed, conversation_id, pb = turn.replayed, turn.conversation_id, self.model.pb
+        prompt_tokens, cached, finish = turn.prompt_tokens, turn.cached, turn.finish_reason if last else ""
 
         def send():
             text = text_delta(self.decode, ids, fresh, last)
@@ -143,7 +173,10 @@ class ResponseSink:
                 text_tensor(pb, "text_output", text), text_tensor(pb, "applied_adapter", adapter),
                 pb.Tensor("replayed_tokens", np.array([replayed], dtype=np.int32)),
                 pb.Tensor("output_tokens", np.array([count], dtype=np.int32)),
-                json_tensor(pb, "route_scores", scores), text_tensor(pb, "conversation_id_out", conversation_id)]),
+                json_tensor(pb, "route_scores", scores), text_tensor(pb, "conversation_id_out", conversation_id),
+                pb.Tensor("prompt_tokens", np.array([prompt_tokens], dtype=np.int32)),
+                pb.Tensor("cached_tokens", np.array([cached], dtype=np.int32)),
+                text_tensor(pb, "finish_reason", finish)]),
                 flags=flags)
         self.model.responder.put(send)
 
@@ -217,21 +250,23 @@ class SerialTurns:
             except Exception as error:  # noqa: BLE001
                 turn.sink.failed(error, turn)
             finally:
-                self.model.served.store.end_turn(turn.conversation_id)
+                if not turn.stateless:
+                    self.model.served.store.end_turn(turn.conversation_id)
 
     def _serve(self, turn: Turn) -> None:
         served, model = self.model.served, self.model
         changes = model._sync_adapters()
         if changes:
             model.pb.Logger.log_info(f"adapter set changed: {'; '.join(changes)}")
-        cid = None if turn.new else turn.conversation_id
-        state = served.engine.new_conversation() if turn.new else served.store.load(cid)
-        tokens = served.tokenizer.user_turn(turn.text_ids, first=state.length == 0)
+        fresh = turn.new or turn.stateless  # a stateless turn is served whole, without a prefix cache here
+        state = served.engine.new_conversation() if fresh else served.store.load(turn.conversation_id)
+        tokens = turn.prompt if turn.stateless else served.tokenizer.user_turn(turn.text_ids, first=state.length == 0)
+        turn.tokens = tokens
         if state.length + len(tokens) >= served.engine.config.max_context:
             raise RequestError(f"the conversation would reach {state.length + len(tokens)} tokens, over the "
                                f"context limit of {served.engine.config.max_context}")
         h19 = served.engine.prefill(state, tokens)
-        skip = 1 if turn.new and served.tokenizer.trained else 0
+        skip = turn.route_start if turn.stateless else 1 if turn.new and served.tokenizer.trained else 0
         turn.decision = turn.route(None if turn.explicit else h19[skip:].mean(0))
         adapter = model._engine_adapter(turn.decision)
         logits, turn.replayed = served.engine.replay(state, adapter)
@@ -243,6 +278,11 @@ class SerialTurns:
                 return
             turn.generated.append(token)
             turn.sink.token(token, turn)
+        stopped = bool(turn.generated) and turn.generated[-1] in stop
+        turn.finish_reason = "stop" if stopped else "length"
+        if turn.stateless:
+            turn.sink.finished(turn)
+            return
         before = served.store.bytes_written
         if turn.end_conversation:
             served.store.delete(turn.conversation_id)

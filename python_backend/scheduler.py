@@ -13,6 +13,11 @@ survives. A resident copy is trusted only while the journal is the size this loo
 have written a turn: a second server on the store, a route model), else it is read back from the journal. A turn
 that fails or is cancelled stores nothing: its resident copy is dropped, the journal still holds the turn before.
 
+A stateless turn (a whole chat or prompt, the OpenAI API's way) names no conversation: it starts from the longest
+prefix of its tokens in the prefix cache (ced/prefix_cache.py), whichever adapter wrote it, and leaves its states
+there (at the end of its prompt and at its end), never in the journal. A new conversation starts from the cache
+too, and each stateful turn's end state goes there, so the two paths find each other's states.
+
 Everything here runs on the loop's thread; `submit` is the only entry from others.
 """
 
@@ -32,6 +37,7 @@ from torch import Tensor
 from ced.batched import BatchedEngine
 from ced.engine import SamplingParams, sample
 from ced.paged import Resident
+from ced.prefix_cache import PrefixCache
 from ced.tokenization import ChatTokenizer
 
 from .stages import RequestError, RouteDecision
@@ -64,6 +70,8 @@ class Turn:
     end_conversation: bool = False
     explicit: bool = False  # the client named the adapter: no H19 pooling needed
     new: bool = False  # a conversation this turn starts
+    prompt: list[int] | None = None  # a stateless turn: its whole rendered chat or prompt (no conversation)
+    route_start: int = 0  # the position where the turn the router pools begins
     # progress, kept by the scheduler
     row: Resident | None = None
     tokens: list[int] = field(default_factory=list)  # the templated turn to prefill
@@ -81,6 +89,18 @@ class Turn:
     submitted: float = field(default_factory=time.perf_counter)
     bytes_written: int = 0
     bytes_moved: int = 0
+    cached: int = 0  # tokens of the prompt taken from the prefix cache
+    cached_pooled: Tensor | None = None  # the router's pooled H19 stored with that prefix
+    finish_reason: str = ""  # "stop" (a stop token) or "length"
+
+    @property
+    def stateless(self) -> bool:
+        return self.prompt is not None
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The turn's prompt: what was prefilled now and what came from the cache."""
+        return self.cached + len(self.tokens)
 
 
 @dataclass
@@ -95,8 +115,10 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, engine: BatchedEngine, store: ConversationStore, tokenizer: ChatTokenizer,
                  engine_adapter: Callable[[RouteDecision], str | None], refresh: Callable[[], list[str]],
-                 token_budget: int = 512, max_resident: int = 64, prefill_chunk: int = 256):
+                 token_budget: int = 512, max_resident: int = 64, prefill_chunk: int = 256,
+                 prefix_cache_bytes: int = 1 << 30):
         self.engine, self.store, self.tokenizer = engine, store, tokenizer
+        self.prefix = PrefixCache(engine, prefix_cache_bytes)
         self.engine_adapter, self.refresh = engine_adapter, refresh
         self.token_budget, self.max_resident, self.prefill_chunk = token_budget, max_resident, prefill_chunk
         self.stats = SchedulerStats()
@@ -176,9 +198,18 @@ class Scheduler:
                 self._fail(turn, error)
 
     def _open(self, turn: Turn) -> None:
-        row = self._resident_row(turn)
+        bos = 1 if self.tokenizer.trained else 0  # the router pools the user's turn less <|bos|>, as it was trained
+        if turn.stateless or turn.new:  # the whole sequence is known: start from its longest cached prefix
+            whole = turn.prompt if turn.stateless else self.tokenizer.user_turn(turn.text_ids, first=True)
+            row = self._cached_row(turn, whole)
+            turn.tokens = whole[row.length:]
+            if turn.new:
+                turn.route_start = bos
+        else:
+            row = self._resident_row(turn)
+            turn.tokens = self.tokenizer.user_turn(turn.text_ids, first=row.length == 0)
+            turn.route_start = row.length + (bos if row.length == 0 else 0)
         turn.row, turn.start_length = row, row.length
-        turn.tokens = self.tokenizer.user_turn(turn.text_ids, first=row.length == 0)
         limit = self.engine.config.max_context
         if row.length + len(turn.tokens) >= limit:
             raise RequestError(f"the conversation would reach {row.length + len(turn.tokens)} tokens, over the "
@@ -195,12 +226,21 @@ class Scheduler:
             return held[0]
         if held is not None:
             self.engine.close(held[0])
-        if turn.new:
-            return self.engine.open()
         state = self.store.load(cid)  # raises UnknownConversation / StoreError with the client's message
         row = self.engine.open(state)
         turn.bytes_moved += self.engine.nbytes(row)  # a miss reads the whole state once
         return row
+
+    def _cached_row(self, turn: Turn, tokens: list[int]) -> Resident:
+        """A fork of the longest cached prefix of `tokens`, or an empty row. A routed turn needs H19 of its own
+        turn: a prefix covering all of it serves only if the router's pooled H19 was stored with it."""
+        hit = self.prefix.lookup(tokens)
+        if hit is not None and hit.row.length == len(tokens) and not turn.explicit and hit.pooled is None:
+            hit = self.prefix.lookup(tokens, longest=len(tokens) - 1)
+        if hit is None:
+            return self.engine.open()
+        turn.cached, turn.cached_pooled = hit.row.length, hit.pooled
+        return self.engine.fork(hit.row)
 
     # -- the three kinds of work ---------------------------------------------------------------------------------
 
@@ -233,12 +273,22 @@ class Scheduler:
     def _route(self, turn: Turn) -> None:
         pooled = None
         if not turn.explicit:
-            skip = 1 if turn.start_length == 0 and self.tokenizer.trained else 0  # as the head was trained
-            pooled = torch.cat(turn.h19)[skip:].mean(0)
+            pooled = self._pooled(turn)
+        if turn.tokens and self.prefix.byte_budget and (turn.stateless or turn.new):
+            self.prefix.insert(self.engine.fork(turn.row), pooled)  # the prompt's end: what a resend will match
         turn.h19 = []
         turn.decision = turn.route(pooled)
         turn.adapter = self.engine_adapter(turn.decision)
         turn.digest = self.engine.adapters.digest(turn.adapter)
+
+    def _pooled(self, turn: Turn) -> Tensor:
+        """The router's input: H19 of the turn's own tokens (from route_start), averaged."""
+        skip = turn.route_start - turn.start_length  # H19 rows of this call before the turn
+        if skip >= 0:
+            return torch.cat(turn.h19)[skip:].mean(0)
+        if not turn.h19:  # all of it came from the cache, with the pooled H19 stored beside it
+            return turn.cached_pooled
+        return torch.cat(turn.h19).mean(0)  # its start came from the cache: the router sees the rest
 
     def _replay(self, turns: list[Turn]) -> None:
         try:
@@ -267,6 +317,7 @@ class Scheduler:
     def _next(self, turn: Turn, logits: Tensor) -> None:
         """Sample the turn's next token and send it; it is appended by the next step (as CEDEngine.generate)."""
         if len(turn.generated) >= turn.max_tokens or turn.row.length >= self.engine.config.max_context:
+            turn.finish_reason = "length"
             self._finish(turn)
             return
         token = sample(logits, turn.sampling, turn.generator)
@@ -274,6 +325,8 @@ class Scheduler:
         turn.next_token = token
         stop = token in self.tokenizer.stop_ids and not turn.ignore_eos
         turn.last = stop or len(turn.generated) >= turn.max_tokens
+        if turn.last:
+            turn.finish_reason = "stop" if stop else "length"
         turn.sink.token(token, turn)
 
     # -- the end of a turn ---------------------------------------------------------------------------------------------
@@ -281,16 +334,22 @@ class Scheduler:
     def _finish(self, turn: Turn) -> None:
         self.decoding.remove(turn)
         cid = turn.conversation_id
+        if turn.stateless:
+            self._keep_end_state(turn.row)
+            turn.sink.finished(turn)
+            return
         try:
             if turn.end_conversation:
                 self.store.delete(cid)
-                self.engine.close(turn.row)
+                self._keep_end_state(turn.row)
             else:
                 before = self.store.bytes_written
-                row = turn.row
-                self.store.append(cid, self.engine.delta(row, turn.start_length), lambda: self.engine.delta(row, 0))
+                row, since = turn.row, 0 if turn.new else turn.start_length  # a new one's cached prefix too
+                self.store.append(cid, self.engine.delta(row, since), lambda: self.engine.delta(row, 0))
                 turn.bytes_written = self.store.bytes_written - before
                 self.resident[cid] = (turn.row, self.store.journal_size(cid))
+                if self.prefix.byte_budget:
+                    self.prefix.insert(self.engine.fork(row))
                 self._evict()
         except Exception as error:  # noqa: BLE001 - not stored: the client must not think it was
             self.resident.pop(cid, None)
@@ -313,7 +372,15 @@ class Scheduler:
         turn.sink.failed(error, turn)
 
     def _release(self, turn: Turn) -> None:
-        self.store.end_turn(turn.conversation_id)
+        if not turn.stateless:
+            self.store.end_turn(turn.conversation_id)
+
+    def _keep_end_state(self, row: Resident) -> None:
+        """An ended conversation's state: into the prefix cache (a client may send its history whole), or freed."""
+        if self.prefix.byte_budget:
+            self.prefix.insert(row)
+        else:
+            self.engine.close(row)
 
     def _drop_cancelled(self) -> None:
         for turn in [t for t in self.prefilling + self.decoding if t.sink.cancelled()]:

@@ -1,0 +1,117 @@
+"""A prefix cache shared across adapters: stored states found by their tokens, whichever adapter served them.
+
+The adapter-free part of a state (global KV, the adapter-free windows, the replay stream) is the same whatever
+adapter the decoder ran under, and every turn replays W positions under its own adapter anyway. So, unlike the
+peers' caches (keyed per adapter), one stored prefix serves every adapter: a request takes the longest stored
+prefix of its tokens, prefills only the rest, then replays W under the adapter it asked for.
+
+Entries are conversations held in the engine's pool (ced/paged.py) and never written again: a request forks one
+(its rings copied, its full pages shared, the last partial page copied), so branches of one history share the
+pages of their common prefix. Keys are (length, hash chain over blocks of tokens): a lookup hashes the request's
+tokens once and probes each length the cache holds, longest first; the tokens are compared before a hit counts.
+Eviction is least recently used, under a byte budget (a page shared by entries counted once).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+from torch import Tensor
+
+from .batched import BatchedEngine
+from .paged import Resident
+
+HASH_BLOCK = 64  # tokens per link of the hash chain
+
+
+@dataclass
+class CachedPrefix:
+    row: Resident
+    pooled: Tensor | None  # the router's pooled H19 of the prefix's last turn, for a request that is all cache
+
+
+@dataclass
+class PrefixCacheStats:
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    inserted: int = 0
+    evicted: int = 0
+
+
+class PrefixCache:
+    def __init__(self, engine: BatchedEngine, byte_budget: int):
+        self.engine, self.byte_budget = engine, byte_budget
+        self.entries: OrderedDict[tuple[int, bytes], CachedPrefix] = OrderedDict()  # least recently used first
+        self.lengths: Counter[int] = Counter()  # how many entries hold each length
+        self.stats = PrefixCacheStats()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def lookup(self, tokens: list[int], longest: int | None = None) -> CachedPrefix | None:
+        """The entry holding the longest stored prefix of `tokens` (at most `longest` of them), or None."""
+        longest = len(tokens) if longest is None else min(longest, len(tokens))
+        self.stats.queried_tokens += len(tokens)
+        chain = _chain(tokens, longest // HASH_BLOCK)
+        for length in sorted((n for n in self.lengths if n <= longest), reverse=True):
+            key = _key(chain, tokens, length)
+            entry = self.entries.get(key)
+            if entry is not None and entry.row.tokens == tokens[:length]:
+                self.entries.move_to_end(key)
+                self.stats.hit_tokens += length
+                return entry
+        return None
+
+    def insert(self, row: Resident, pooled: Tensor | None = None) -> None:
+        """Keep `row` (the cache owns it from now on: nobody writes it again) unless its tokens are held already."""
+        key = _key(_chain(row.tokens, row.length // HASH_BLOCK), row.tokens, row.length)
+        if key in self.entries or row.length == 0:
+            if key in self.entries:
+                self.entries.move_to_end(key)
+            self.engine.close(row)
+            return
+        self.entries[key] = CachedPrefix(row, pooled)
+        self.lengths[row.length] += 1
+        self.stats.inserted += 1
+        self._evict()
+
+    def clear(self) -> None:
+        while self.entries:
+            self._drop_oldest()
+
+    def _evict(self) -> None:
+        self.nbytes = self._measure()
+        while self.entries and self.nbytes > self.byte_budget:
+            self._drop_oldest()
+            self.stats.evicted += 1
+            self.nbytes = self._measure()
+
+    def _drop_oldest(self) -> None:
+        (length, _), entry = self.entries.popitem(last=False)
+        self.lengths[length] -= 1
+        if not self.lengths[length]:
+            del self.lengths[length]
+        self.engine.close(entry.row)
+
+    def _measure(self) -> int:
+        return self.engine.pool.unshared_nbytes([entry.row for entry in self.entries.values()])
+
+
+def _chain(tokens: list[int], blocks: int) -> list[bytes]:
+    """chain[i]: the hash of the first i blocks of HASH_BLOCK tokens."""
+    chain, digest = [b""], b""
+    ids = np.asarray(tokens[: blocks * HASH_BLOCK], dtype=np.int64)
+    for i in range(blocks):
+        digest = hashlib.blake2b(digest + ids[i * HASH_BLOCK:(i + 1) * HASH_BLOCK].tobytes(), digest_size=16).digest()
+        chain.append(digest)
+    return chain
+
+
+def _key(chain: list[bytes], tokens: list[int], length: int) -> tuple[int, bytes]:
+    blocks = length // HASH_BLOCK
+    tail = np.asarray(tokens[blocks * HASH_BLOCK: length], dtype=np.int64).tobytes()
+    return length, hashlib.blake2b(chain[blocks] + tail, digest_size=16).digest()
