@@ -12,6 +12,7 @@ requests sent inside the window; ITL over the gaps between successive tokens of 
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import math
@@ -447,3 +448,66 @@ def text_of_tokens(tokens: int, tokenizer, root, lead: str = "", wrapped_extra: 
             return text
         cut += target - count
     return text
+
+
+# -------------------------------------------------------------------------------------------------------- servers
+
+@contextlib.contextmanager
+def demo_server(log_name: str, env: dict[str, str] | None = None):
+    """Our tritonserver on the demo as `mol2 serve` runs it (the committed model_repository/, only the models one
+    server needs), fresh loopback ports and a conversation store in a temp folder: yields (ports, store folder).
+    Its log is artifacts/logs/LOG_NAME.log."""
+    import tempfile
+    from pathlib import Path
+
+    from python_backend.launcher import Ports, running
+    from python_backend.roles import single_server_models
+    from python_backend.serve_cli import prepare_demo
+    from python_backend.serving import ROOT
+
+    model_dir = prepare_demo()
+    repository = ROOT / "model_repository"
+    only_these = ["--model-control-mode=explicit", *(f"--load-model={name}" for name in single_server_models(repository))]
+    logs = ROOT / "artifacts/logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    ports = Ports.free()
+    with tempfile.TemporaryDirectory(prefix="mol2-store-") as store:
+        print(f"starting tritonserver on the demo ({model_dir}); log {logs / f'{log_name}.log'}", flush=True)
+        with running(repository, ports, ROOT / "artifacts/triton", logs / f"{log_name}.log",
+                     env={"MOL2_ENGINE": "torch", "MOL2_STORE_DIR": store, **(env or {})}, extra_args=only_these):
+            yield ports, Path(store)
+
+
+def server_rss_mb(http_port: int) -> float:
+    """Resident memory of the tritonserver listening on `http_port` and all its descendants (model processes)."""
+    parents, commands = {}, {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                parents[int(pid)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                commands[int(pid)] = cmdline.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+    roots = [pid for pid, command in commands.items() if "tritonserver " in command and
+             f"--http-port={http_port}" in command]
+    tree, frontier = set(roots), list(roots)
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in tree]
+        tree.update(children)
+        frontier += children
+    total_kb = 0
+    for pid in tree:
+        try:
+            with open(f"/proc/{pid}/status") as status:
+                total_kb += next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            continue
+    return total_kb / 1024
+
+
+def folder_bytes(path) -> int:
+    from pathlib import Path
+
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())

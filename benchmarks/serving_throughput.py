@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -256,7 +255,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     from tokenizers import Tokenizer
 
-    from python_backend.launcher import Ports, running
+    from python_backend.launcher import Ports
     from python_backend.serve_cli import prepare_demo
 
     model_dir = prepare_demo()
@@ -271,16 +270,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         from ced.engines import ensure_onnx_engine
 
         env["MOL2_ENGINE_DIR"] = str(ensure_onnx_engine(model_dir))
-    ports = Ports.free()
     logs = ROOT / "artifacts/logs"
-    logs.mkdir(parents=True, exist_ok=True)
     import contextlib
 
-    with tempfile.TemporaryDirectory() as store, contextlib.ExitStack() as stack:
-        env["MOL2_STORE_DIR"] = store
-        print(f"starting tritonserver on the demo ({model_dir}); log {logs / 'serving_throughput.log'}", flush=True)
-        stack.enter_context(running(ROOT / "model_repository", ports, ROOT / "artifacts/triton",
-                                    logs / "serving_throughput.log", env=env))
+    with contextlib.ExitStack() as stack:
+        ports, _ = stack.enter_context(load.demo_server("serving_throughput", env))
         vllm = None
         if use_vllm:
             peer = build_peer(PEER_ROOT)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -235,7 +234,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     from tokenizers import Tokenizer
 
-    from python_backend.launcher import Ports, running
+    from python_backend.launcher import Ports
     from python_backend.serve_cli import prepare_demo
 
     model_dir = prepare_demo()
@@ -248,15 +247,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         from ced.engines import ensure_onnx_engine
 
         env["MOL2_ENGINE_DIR"] = str(ensure_onnx_engine(model_dir))
-    ports = Ports.free()
     logs = ROOT / "artifacts/logs"
-    logs.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
-    with tempfile.TemporaryDirectory() as store, contextlib.ExitStack() as stack:
-        env["MOL2_STORE_DIR"] = store
-        print(f"starting tritonserver on the demo ({model_dir}); log {logs / 'turn_cost.log'}", flush=True)
-        stack.enter_context(running(ROOT / "model_repository", ports, ROOT / "artifacts/triton",
-                                    logs / "turn_cost.log", env=env))
+    with contextlib.ExitStack() as stack:
+        ports, _ = stack.enter_context(load.demo_server("turn_cost", env))
         vllm = None
         if use_vllm:
             peer = build_peer(PEER_ROOT)

@@ -29,6 +29,7 @@ class BatchedEngine:
 
     # -- conversations in the pool ----------------------------------------------------------------------------
 
+    @torch.inference_mode()  # the pool's buffers may have been (re)allocated under inference mode: write them so
     def open(self, state: ConversationState | None = None) -> Resident:
         """A resident conversation: empty, or the copy of `state` (a conversation read back from disk)."""
         row = self.pool.open()
@@ -39,6 +40,7 @@ class BatchedEngine:
     def close(self, row: Resident) -> None:
         self.pool.release(row)
 
+    @torch.inference_mode()
     def fork(self, row: Resident) -> Resident:
         """A second conversation with `row`'s whole adapter-free state (the common pages shared); its adapter-bound
         windows are not current, so its next turn replays, as every turn does."""

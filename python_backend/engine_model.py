@@ -11,6 +11,7 @@ serially through the Triton-free stages instead (python_backend/stages.py), one 
 from __future__ import annotations
 
 import json
+import os
 import queue
 import threading
 import traceback
@@ -46,7 +47,7 @@ class EngineModel:
                                        self._engine_adapter, self._sync_adapters,
                                        token_budget=int(parameters.get("token_budget", "512")),
                                        max_resident=int(parameters.get("max_resident", "64")),
-                                       prefix_cache_bytes=int(parameters.get("prefix_cache_mb", "1024")) << 20
+                                       prefix_cache_bytes=engine_setting(parameters, "prefix_cache_mb", 1024) << 20
                                        ).start()
             self.serial = None
         else:  # exported graphs: CEDEngine's interface, one conversation per call
@@ -149,6 +150,12 @@ class EngineModel:
                 self.counters.add("mol2_router_decision_ms_total", decision.adapter, decision.decision_ms)
             return decision
         return route
+
+
+def engine_setting(parameters: dict[str, str], name: str, default: int) -> int:
+    """A serving-engine setting from the model's config; `auto` (or absent): MOL2_<NAME>, else `default`."""
+    value = parameters.get(name, "auto")
+    return int(os.environ.get(f"MOL2_{name.upper()}", default) if value == "auto" else value)
 
 
 class ResponseSink:

@@ -111,3 +111,13 @@ def test_a_stateful_conversation_and_a_stateless_request_find_each_others_states
     history = chat(text, scheduler.tokenizer.decode(sink.tokens), "More?")
     _, resent = stateless(scheduler, history, "chat")
     assert resent.cached >= stateful.row.length - 1  # the conversation's end state (its last token re-rendered)
+
+
+def test_a_fork_outside_inference_mode_writes_buffers_grown_inside_it(scheduler):
+    engine = scheduler.engine
+    rows = [engine.open() for _ in range(engine.pool.n_slots)]
+    engine.prefill(rows[0], [1, 2, 3])  # inference mode
+    grown = engine.open()  # the pool doubles its slots here, outside inference mode
+    engine.prefill(grown, list(range(1, 300)))  # pages grow inside inference mode
+    copy = engine.fork(grown)  # outside: must still write the pool's buffers
+    assert copy.tokens == grown.tokens and copy.pages[0] == grown.pages[0]
