@@ -41,11 +41,14 @@ class BatchedEngine:
         self.pool.release(row)
 
     @torch.inference_mode()
-    def fork(self, row: Resident) -> Resident:
-        """A second conversation with `row`'s whole adapter-free state (the common pages shared); its adapter-bound
-        windows are not current, so its next turn replays, as every turn does."""
+    def fork(self, row: Resident, keep_bound: bool = False) -> Resident:
+        """A second conversation with `row`'s whole state (the common pages shared). Its adapter-bound windows are
+        copied too, but count as current only with `keep_bound` (else its next turn replays, as every turn does)."""
         copy = self.pool.fork(row)
-        copy.bound_adapter, copy.bound_length = None, -1
+        if keep_bound:
+            copy.bound_adapter, copy.bound_length = row.bound_adapter, row.bound_length
+        else:
+            copy.bound_adapter, copy.bound_length = None, -1
         return copy
 
     # -- the verbs ----------------------------------------------------------------------------------------------

@@ -31,6 +31,8 @@ HASH_BLOCK = 64  # tokens per link of the hash chain
 class CachedPrefix:
     row: Resident
     pooled: Tensor | None  # the router's pooled H19 of the prefix's last turn, for a request that is all cache
+    logits: Tensor | None = None  # next-token logits under the adapter whose windows the row holds (if current)
+    digest: str = ""  # that adapter's digest
 
 
 @dataclass
@@ -66,15 +68,18 @@ class PrefixCache:
                 return entry
         return None
 
-    def insert(self, row: Resident, pooled: Tensor | None = None) -> None:
-        """Keep `row` (the cache owns it from now on: nobody writes it again) unless its tokens are held already."""
+    def insert(self, row: Resident, pooled: Tensor | None = None, logits: Tensor | None = None,
+               digest: str = "") -> None:
+        """Keep `row` (the cache owns it from now on: nobody writes it again) unless its tokens are held already.
+        With `logits`: the row's adapter-bound windows are current (for the adapter of `digest`), and these are
+        the next-token logits they gave, so a request for the same prompt and adapter needs no replay."""
         key = _key(_chain(row.tokens, row.length // HASH_BLOCK), row.tokens, row.length)
         if key in self.entries or row.length == 0:
             if key in self.entries:
                 self.entries.move_to_end(key)
             self.engine.close(row)
             return
-        self.entries[key] = CachedPrefix(row, pooled)
+        self.entries[key] = CachedPrefix(row, pooled, logits, digest)
         self.lengths[row.length] += 1
         self.stats.inserted += 1
         self._evict()

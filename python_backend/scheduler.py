@@ -37,7 +37,7 @@ from torch import Tensor
 from ced.batched import BatchedEngine
 from ced.engine import SamplingParams, sample
 from ced.paged import Resident
-from ced.prefix_cache import PrefixCache
+from ced.prefix_cache import CachedPrefix, PrefixCache
 from ced.tokenization import ChatTokenizer
 
 from .stages import RequestError, RouteDecision
@@ -90,7 +90,8 @@ class Turn:
     bytes_written: int = 0
     bytes_moved: int = 0
     cached: int = 0  # tokens of the prompt taken from the prefix cache
-    cached_pooled: Tensor | None = None  # the router's pooled H19 stored with that prefix
+    hit: CachedPrefix | None = None  # the cache entry they came from
+    pooled: Tensor | None = None  # what the router was given
     finish_reason: str = ""  # "stop" (a stop token) or "length"
 
     @property
@@ -239,8 +240,8 @@ class Scheduler:
             hit = self.prefix.lookup(tokens, longest=len(tokens) - 1)
         if hit is None:
             return self.engine.open()
-        turn.cached, turn.cached_pooled = hit.row.length, hit.pooled
-        return self.engine.fork(hit.row)
+        turn.cached, turn.hit = hit.row.length, hit
+        return self.engine.fork(hit.row, keep_bound=hit.row.length == len(tokens))
 
     # -- the three kinds of work ---------------------------------------------------------------------------------
 
@@ -273,9 +274,7 @@ class Scheduler:
     def _route(self, turn: Turn) -> None:
         pooled = None
         if not turn.explicit:
-            pooled = self._pooled(turn)
-        if turn.tokens and self.prefix.byte_budget and (turn.stateless or turn.new):
-            self.prefix.insert(self.engine.fork(turn.row), pooled)  # the prompt's end: what a resend will match
+            pooled = turn.pooled = self._pooled(turn)
         turn.h19 = []
         turn.decision = turn.route(pooled)
         turn.adapter = self.engine_adapter(turn.decision)
@@ -287,10 +286,16 @@ class Scheduler:
         if skip >= 0:
             return torch.cat(turn.h19)[skip:].mean(0)
         if not turn.h19:  # all of it came from the cache, with the pooled H19 stored beside it
-            return turn.cached_pooled
+            return turn.hit.pooled
         return torch.cat(turn.h19).mean(0)  # its start came from the cache: the router sees the rest
 
     def _replay(self, turns: list[Turn]) -> None:
+        for turn in [t for t in turns if self._replayed_already(t)]:  # the cache holds this very replay's result
+            turns.remove(turn)
+            self.decoding.append(turn)
+            self._next(turn, turn.hit.logits)
+        if not turns:
+            return
         try:
             logits, counts = self.engine.replay([t.row for t in turns], [t.adapter for t in turns])
         except Exception as error:  # noqa: BLE001 - e.g. an adapter unloaded since routing: these turns fail
@@ -300,8 +305,19 @@ class Scheduler:
         self.stats.replays += len(turns)
         for turn, row_logits, count in zip(turns, logits, counts):
             turn.replayed = count
+            if turn.tokens and self.prefix.byte_budget and (turn.stateless or turn.new):
+                # the prompt's end, the adapter's windows and next-token logits: what a resend will match
+                self.prefix.insert(self.engine.fork(turn.row, keep_bound=True), turn.pooled, row_logits.clone(),
+                                   turn.digest)
             self.decoding.append(turn)
             self._next(turn, row_logits)
+
+    def _replayed_already(self, turn: Turn) -> bool:
+        """A prompt found whole in the cache with its adapter's windows current and the logits they gave: the
+        replay would rebuild exactly those windows, so it is skipped (an adapter reloaded since has another digest)."""
+        hit, row = turn.hit, turn.row
+        return (not turn.tokens and hit is not None and hit.logits is not None and hit.digest == turn.digest
+                and row.bound_adapter == turn.adapter and row.bound_length == row.length)
 
     def _decode_step(self) -> None:
         rows = list(self.decoding)

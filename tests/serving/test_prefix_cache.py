@@ -1,7 +1,8 @@
 """The prefix cache shared across adapters, through the scheduler without a server: a history served under one
 adapter and sent whole under another reuses its prefix and gives the tokens of a run without the cache; forks of
 one history share its pages; a chat resent with its reply reuses the previous request's prompt; eviction keeps
-the cache under its byte budget; a stateful conversation and a stateless request find each other's states."""
+the cache under its byte budget; a stateful conversation and a stateless request find each other's states; the same
+prompt under the same adapter again skips the replay (its windows and logits are stored)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,16 @@ def test_a_history_served_under_one_adapter_serves_another_from_the_cache(schedu
     assert warm.cached == warm.prompt_tokens and warm.replayed > 0  # all from the cache, then W replayed
     reference, _ = stateless(scheduler_for(served_dir, tmp_path / "none", cache_bytes=0), messages, "coding")
     assert tokens == reference
+
+
+def test_the_same_prompt_and_adapter_again_needs_no_replay(scheduler):
+    messages = chat(HISTORY + "Where does it nap?")
+    first, cold = stateless(scheduler, messages, "chat")
+    again, warm = stateless(scheduler, messages, "chat")
+    assert cold.replayed > 0 and warm.replayed == 0 and warm.cached == warm.prompt_tokens
+    assert again == first  # the stored windows and logits are what the replay gave
+    _, other = stateless(scheduler, messages, "coding")
+    assert other.replayed > 0  # another adapter's windows are rebuilt
 
 
 def test_forks_of_one_history_share_its_pages(scheduler):
