@@ -97,18 +97,32 @@ def lora_forward_reference(x: Tensor, base: nn.Linear, a: Tensor | None, b_scale
     return y if a is None else y + (x @ a.T) @ b_scaled.T
 
 
+def lora_by_row(y: Tensor, x: Tensor, a: Tensor, b_scaled: Tensor, slots: Tensor) -> Tensor:
+    """y = base(x) (B, T, out) plus each row's own slot of stacked A (S, r, in) and B (S, out, r), slots (B,)
+    (-1: none, that row left bit-exact). One gather per row and no branch on the data: what the exported graphs
+    compute (engine_build/onnx_stages.py), with A/B and the slots as graph inputs."""
+    a, b = a[slots.clamp(min=0)], b_scaled[slots.clamp(min=0)]  # (B, r, in), (B, out, r)
+    delta = torch.matmul(torch.matmul(x, a.transpose(1, 2)), b.transpose(1, 2))  # (B, T, out)
+    return torch.where((slots >= 0)[:, None, None], y + delta, y)
+
+
+def replace_linears(model: nn.Module, include: Callable[[str], bool],
+                    make: Callable[[str, nn.Linear], nn.Module]) -> dict[str, nn.Module]:
+    """Replace every nn.Linear whose qualified name passes `include` by make(name, linear); returns them by name."""
+    wrapped = {}
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and include(name):
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            wrapped[name] = make(name, module)
+            setattr(parent, child, wrapped[name])
+    return wrapped
+
+
 def wrap_linears(model: nn.Module, include: Callable[[str], bool], n_slots: int, max_rank: int,
                  mapping: LoRAMapping) -> dict[str, MultiLoRALinear]:
     """Replace every nn.Linear whose qualified name passes `include` by a MultiLoRALinear; returns them by name."""
     if any(isinstance(module, MultiLoRALinear) for module in model.modules()):
         raise ValueError("this model already has LoRA slots (another engine was built on it): give each engine a "
                          "model of its own, e.g. CEDForCausalLM.from_pretrained(...) again")
-    wrapped = {}
-    for name, module in list(model.named_modules()):
-        if isinstance(module, nn.Linear) and include(name):
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            wrapper = MultiLoRALinear(module, n_slots, max_rank, mapping)
-            setattr(parent, child, wrapper)
-            wrapped[name] = wrapper
-    return wrapped
+    return replace_linears(model, include, lambda name, base: MultiLoRALinear(base, n_slots, max_rank, mapping))

@@ -9,7 +9,8 @@ the engine can run them separately:
 - `decoder_stage`: layer E's FFN and layers E+1..L-1 from that stream, under whatever adapter is mapped.
 
 Both read and write conversation state only through a cache (`ced.state.AttentionCache`): the reference objects
-of one conversation (`run_shared` / `run_decoder`), or the serving engine's paged pool of many (`ced.paged`).
+of one conversation (`run_shared` / `run_decoder`), the serving engine's paged pool of many (`ced.paged`), or the
+explicit state tensors of an exported graph (`ced.state.ExportCache`, traced by engine_build/onnx_stages.py).
 
 `forward(input_ids)` runs both over the whole sequence in chunks: it is the training path and the oracle.
 """
@@ -92,11 +93,18 @@ class BlockCompressor(nn.Module):
         self.index_key = nn.Linear(config.hidden_size, config.index_dim, bias=False)
 
 
-def top_k_recent(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def top_k_recent(scores: Tensor, k: int, graph: bool = False) -> tuple[Tensor, Tensor]:
     """The k largest scores along the last dim, ties to the most recent (highest) index, ordered by score then
     recency: entry numbers and their scores (..., k). The choice must not depend on how many queries share the
     call (one-pass vs token by token), and ReLU scores tie at zero often, so `topk`'s unspecified tie order will
-    not do alone; a full stable sort would, but costs O(N log N) per query where this is O(N)."""
+    not do alone; a full stable sort would, but costs O(N log N) per query where this is O(N).
+
+    `graph`: the form traced into an exported graph, which cannot branch on the data: ONNX TopK orders ties by
+    the lower index, so on the flipped scores it picks and orders exactly as the eager form does (for graphs
+    only: torch's own topk promises no tie order)."""
+    if graph:
+        values, flipped = scores.flip(-1).topk(k, dim=-1)
+        return scores.shape[-1] - 1 - flipped, values
     values, idx = scores.topk(k, dim=-1)  # the right set unless the k-th value ties with one left out
     tied_out = (scores >= values[..., -1:]).sum(-1) > k
     if tied_out.any():
@@ -124,9 +132,11 @@ class Indexer(nn.Module):
         self.query = nn.Linear(config.hidden_size, config.index_heads * config.index_dim, bias=False)
         self.weight = nn.Linear(config.hidden_size, config.index_heads, bias=False)
 
-    def select(self, xn: Tensor, index_keys: Tensor, positions: Tensor, block_size: int) -> Selection:
+    def select(self, xn: Tensor, index_keys: Tensor, positions: Tensor, block_size: int,
+               graph: bool = False) -> Selection:
         """xn (B, T, C) at positions (B, T); index_keys (B, N, I), rows padded past their own entries (a padded
-        entry's block ends after every query of its row, so the block-end mask hides it)."""
+        entry's block ends after every query of its row, so the block-end mask hides it). `graph`: traced for
+        export, N unknown (maybe under top_k, maybe 0), so no branch on it (see AttentionCache.graph)."""
         B, T, _ = xn.shape
         q = self.query(xn).view(B, T, self.heads, self.dim)  # (B, T, h, I)
         N = index_keys.shape[1]
@@ -136,6 +146,9 @@ class Indexer(nn.Module):
         scores = scores.view(B, T, N)
         block_end = (torch.arange(N, device=xn.device) + 1) * block_size - 1
         scores = scores.masked_fill_(block_end[None, None, :] > positions[:, :, None], NEG_INF)
+        if graph:  # top_k columns of -inf before the oldest entry: always enough candidates; a pad picked -> 0
+            idx, values = top_k_recent(F.pad(scores, (self.top_k, 0), value=NEG_INF), self.top_k, graph=True)
+            return Selection((idx - self.top_k).clamp(min=0), values > NEG_INF)
         k = min(self.top_k, N)
         idx, values = top_k_recent(scores, k)
         valid = values > NEG_INF
@@ -164,8 +177,9 @@ class CEDAttention(nn.Module):
         """Global entries of completed blocks (R, N', m, C) whose first is entry `first_entry` (R,) of its row:
         K (RoPE'd at each block's last position), V (R, N', H, D) and indexer keys (R, N', I)."""
         R, n_blocks, m, _ = blocks.shape
-        k = self._heads(self.k_proj(blocks).flatten(1, 2)).view(R, n_blocks, m, self.config.n_heads, -1)
-        v = self._heads(self.v_proj(blocks).flatten(1, 2)).view(R, n_blocks, m, self.config.n_heads, -1)
+        H, D = self.config.n_heads, self.config.head_dim  # no -1: a graph may run this on zero blocks
+        k = self._heads(self.k_proj(blocks).flatten(1, 2)).view(R, n_blocks, m, H, D)
+        v = self._heads(self.v_proj(blocks).flatten(1, 2)).view(R, n_blocks, m, H, D)
         weights = self.compressor.gate(blocks).softmax(dim=2).unsqueeze(-1)  # (R, N', m, H, 1)
         k_entry, v_entry = (weights * k).sum(2), (weights * v).sum(2)  # (R, N', H, D)
         block_end = (torch.arange(n_blocks, device=blocks.device) + first_entry[:, None] + 1) * m - 1  # (R, N')
@@ -184,8 +198,8 @@ class CEDAttention(nn.Module):
             cache.compress(layer, xn, self.pool_blocks)
         has_entries = source is not None and cache.has_entries(source)
         if self.indexer is not None:  # a new choice over this layer's source; none before the first block ends
-            selection = self.indexer.select(xn, cache.index_keys(source), positions, self.config.block_size) \
-                if has_entries else None
+            selection = self.indexer.select(xn, cache.index_keys(source), positions, self.config.block_size,
+                                            cache.graph) if has_entries else None
 
         keys, values, key_pos = cache.extend_window(layer, k, v, positions)  # (B, H, S, D) x2, (B or 1, S)
         scale = 1.0 / math.sqrt(self.config.head_dim)

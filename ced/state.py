@@ -167,6 +167,11 @@ class AttentionCache(Protocol):
     """A layer's view of the conversation state of the rows it runs: the model does the arithmetic, the cache the
     bookkeeping. Layers are named by index; `source` is a global-KV source layer."""
 
+    # True where the calls are traced into a graph (ExportCache): lengths are unknown until the graph runs, so
+    # the model takes the graph form of its data-dependent choices (Indexer.select, top_k_recent) and skips
+    # nothing; False on the eager caches, whose lengths are known and whose Python branches are fast paths.
+    graph: bool
+
     def extend_window(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Keep this call's keys and values (B, H, T, D) at positions (B or 1, T) as the newest of the window;
         returns the keys and values (B, H, S, D) its queries may attend to, in any order, with their positions
@@ -187,6 +192,8 @@ class AttentionCache(Protocol):
 class ListCache:
     """The cache over one conversation's LocalWindow / GlobalKV objects (or rows that share positions, as in
     training): the reference path of training, the oracle and the serial engine."""
+
+    graph = False
 
     def __init__(self, windows: dict[int, LocalWindow], stores: dict[int, GlobalKV], start: int, block_size: int):
         self.windows, self.stores, self.start, self.block_size = windows, stores, start, block_size
@@ -222,3 +229,51 @@ class ListCache:
         store = self.stores[source]
         rows = torch.arange(idx.shape[0], device=idx.device)[:, None, None]
         return store.k[rows, idx], store.v[rows, idx]
+
+
+class ExportCache:
+    """The cache over explicit state tensors, for an exported stage: its graph inputs in, the updated state read
+    back as its outputs. Every length (a window, the global entries, the partial block) is a dimension that may be
+    zero when the graph runs, so nothing here branches on one: windows are joined and cut to the last W, blocks
+    are split by integer division (maybe none), and an all-zero entry after each row's global ones is what a
+    selection points at before any block exists (such slots are invalid: they get no weight)."""
+
+    graph = True
+
+    def __init__(self, windows: dict[int, tuple[Tensor, Tensor]], stores: dict[int, tuple[Tensor, Tensor, Tensor]],
+                 pending: dict[int, Tensor], block_size: int, window: int):
+        self.windows = dict(windows)  # layer -> keys, values (B, H, n, D); after the call: the last W positions
+        self.stores = dict(stores)  # source -> k, v (B, N, H, D), index keys (B, N, I); compress appends
+        self.pending = dict(pending)  # source -> (B, p, C); after the call: the block not yet complete
+        self.added: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # source -> the entries this call added
+        self.block_size, self.window = block_size, window
+
+    def extend_window(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        past_k, past_v = self.windows[layer]
+        keys, values = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)  # (B, H, S, D)
+        self.windows[layer] = keys[:, :, -self.window:], values[:, :, -self.window:]
+        key_pos = torch.arange(keys.shape[2], device=k.device)[None] + (positions[:, :1] - past_k.shape[2])
+        return keys, values, key_pos  # key_pos (B or 1, S): the past, then this call's positions
+
+    def compress(self, layer: int, xn: Tensor, pool: PoolBlocks) -> None:
+        (B, _, C), m = xn.shape, self.block_size
+        rows = torch.cat([self.pending[layer], xn], dim=1)  # (B, p + T, C)
+        n_blocks = rows.shape[1] // m
+        first = torch.zeros(B, dtype=torch.long, device=xn.device) + self.stores[layer][0].shape[1]
+        self.added[layer] = pool(rows[:, : n_blocks * m].reshape(B, n_blocks, m, C), first)  # (B, N', m, C) in
+        self.stores[layer] = tuple(torch.cat(pair, dim=1) for pair in zip(self.stores[layer], self.added[layer]))
+        self.pending[layer] = rows[:, n_blocks * m:]
+
+    def has_entries(self, source: int) -> bool:
+        return True  # maybe none when the graph runs: the selection's validity masks them
+
+    def index_keys(self, source: int) -> Tensor:
+        return self.stores[source][2]
+
+    def gather(self, source: int, idx: Tensor) -> tuple[Tensor, Tensor]:
+        k, v, _ = self.stores[source]
+        B, N = k.shape[:2]
+        zero = k.new_zeros(B, 1, *k.shape[2:])
+        picks = idx + (torch.arange(B, device=idx.device) * (N + 1))[:, None, None]  # into the rows laid end to end
+        flat = lambda t: torch.cat([t, zero], dim=1).reshape(-1, *t.shape[2:])  # noqa: E731  (B * (N + 1), H, D)
+        return flat(k)[picks], flat(v)[picks]

@@ -76,6 +76,49 @@ def test_replay_and_steps_match(engines, adapter):
         close(states[1].bound.windows[i].k, states[0].bound.windows[i].k)
 
 
+def test_the_graph_form_of_the_top_k_choice_is_the_eager_one(tmp_path, monkeypatch):
+    """Indexer.select traced with graph=True (always top_k slots, ties through ONNX TopK) against the eager form
+    (its O(N) tie-break, its padding), on scores that tie at the cut, with fewer entries than top_k, and none."""
+    import numpy as np
+    import onnxruntime
+
+    import ced.model
+
+    config = CEDConfig.from_name("tiny")
+    indexer = CEDForCausalLM.from_ced(config, seed=0).model.layers[1].attn.indexer.eval()
+
+    class Select(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.indexer = indexer
+
+        def forward(self, xn, index_keys, positions):
+            selection = self.indexer.select(xn, index_keys, positions, config.block_size, graph=True)
+            return selection.idx, selection.valid
+
+    g = torch.Generator().manual_seed(0)
+    sample = (torch.randn(1, 5, config.hidden_size, generator=g), torch.randn(1, 6, config.index_dim, generator=g),
+              torch.arange(20, 25)[None])
+    with torch.no_grad():
+        torch.onnx.export(Select(), sample, str(tmp_path / "select.onnx"), input_names=["xn", "keys", "positions"],
+                          output_names=["idx", "valid"], dynamo=False, opset_version=18,
+                          dynamic_axes={"xn": {1: "T"}, "keys": {1: "N"}, "positions": {1: "T"}})
+    session = onnxruntime.InferenceSession(str(tmp_path / "select.onnx"), providers=["CPUExecutionProvider"])
+    tied = []  # rows the eager path sent to its exact tie-break
+    packed = ced.model._top_k_packed
+    monkeypatch.setattr(ced.model, "_top_k_packed", lambda scores, k: tied.append(len(scores)) or packed(scores, k))
+    for n_entries in (0, 3, 30):
+        xn = torch.randn(1, 40, config.hidden_size, generator=g)
+        keys = torch.randn(1, n_entries, config.index_dim, generator=g)
+        keys[:, ::3] = 0  # a zero key scores exactly 0: ties at the cut for queries with few positive scores
+        positions = torch.arange(90, 130)[None]
+        with torch.no_grad():
+            eager = indexer.select(xn, keys, positions, config.block_size)
+        idx, valid = session.run(None, {"xn": xn.numpy(), "keys": keys.numpy(), "positions": positions.numpy()})
+        assert np.array_equal(idx, eager.idx.numpy()) and np.array_equal(valid, eager.valid.numpy()), n_entries
+    assert tied  # the tied case was really there
+
+
 def test_source_independence_is_still_bitwise(engines):
     """As tests/test_invariants.py, under ONNX Runtime: the history's adapter never reaches the target's logits."""
     ort_engine = engines[1]
