@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     use_vllm = not args.no_vllm and vllm_available()
     if not args.no_vllm and not use_vllm:
         print(SKIP_MESSAGE)
-    env = {"MOL2_ENGINE": args.engine}
+    env = {"MOL2_ENGINE": args.engine, "MOL2_MAX_PROMPT_TOKENS": "32768"}  # the model's context: prompts up to it
     if args.engine == "onnxruntime":
         from ced.engines import ensure_onnx_engine
 

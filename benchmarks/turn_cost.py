@@ -225,10 +225,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     add_plot_option(parser, "artifacts/benchmarks/turn_cost.png")
     parser.add_argument("--repeats", type=int, default=None, help="turns of each kind (default 6; --quick 3)")
     parser.add_argument("--no-vllm", action="store_true", help="measure our server alone")
+    parser.add_argument("--contexts", type=lambda text: tuple(int(n) for n in text.split(",")), default=None,
+                        help="comma-separated context lengths (default 512,2048,8192,32768; --quick 512,2048)")
     parser.add_argument("--engine", default="torch", choices=("torch", "onnxruntime"), help="our server's engine")
     args = parser.parse_args(argv)
     args.plot = plot_path(args)
-    contexts = QUICK_CONTEXTS if args.quick else CONTEXTS
+    contexts = args.contexts or (QUICK_CONTEXTS if args.quick else CONTEXTS)
     repeats = args.repeats or (3 if args.quick else 6)
     began = time.perf_counter()
 
@@ -242,7 +244,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     use_vllm = not args.no_vllm and vllm_available()
     if not args.no_vllm and not use_vllm:
         print(SKIP_MESSAGE)
-    env = {"MOL2_ENGINE": args.engine}
+    env = {"MOL2_ENGINE": args.engine, "MOL2_MAX_PROMPT_TOKENS": "32768"}  # the model's context: prompts up to it
     if args.engine == "onnxruntime":
         from ced.engines import ensure_onnx_engine
 
