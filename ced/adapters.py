@@ -278,6 +278,11 @@ class AdapterRegistry:
             module.reset_lora(record.slot)
         del self._records[name]
 
+    def check(self, path: str | Path) -> PeftAdapter:
+        """Everything `load` checks (format, placement, module shapes, rank), touching no slot: a front end's
+        pre-flight before it offers the adapter (python_backend/openai_api/adapters.py)."""
+        return self._validated(path)
+
     def _validated(self, path: str | Path) -> PeftAdapter:
         adapter = read_peft_adapter(path)
         for module, (a, b) in adapter.weights.items():

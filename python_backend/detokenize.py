@@ -20,6 +20,15 @@ def window(ids: list[int], fresh: int) -> list[int]:
     return ids[max(0, len(ids) - fresh - PREFIX):]
 
 
+def check_ids(ids: list[int], vocab_size: int, name: str = "_ids") -> list[int]:
+    """Ids an internal input carries (a client may send them to the model directly): refused unless each is a
+    token of the model."""
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{name} holds {bad}, not a token id (0 to {vocab_size - 1})")
+    return ids
+
+
 def text_delta(decode: Callable[[list[int]], str], ids: list[int], fresh: int, last: bool) -> str:
     if not 0 <= fresh <= len(ids):
         raise ValueError(f"_fresh is {fresh} but only {len(ids)} ids were sent")

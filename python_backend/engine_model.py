@@ -23,7 +23,7 @@ from ced.batched import BatchedEngine
 from ced.engine import SamplingParams
 from ced.tokenization import check_messages
 
-from .detokenize import text_delta, window
+from .detokenize import check_ids, text_delta, window
 from .metrics import Counters
 from .scheduler import CancelledTurn, Scheduler, Turn
 from .adapter_set import sync_registry
@@ -96,6 +96,7 @@ class EngineModel:
         get = lambda name, kind, default: as_scalar(optional(pb, request, name), name, kind, default)  # noqa: E731
         prompt, route_start = self._stateless_prompt(request)
         text_ids = [] if prompt is not None else required(pb, request, "_text_ids").reshape(-1).tolist()
+        check_ids(text_ids, self.served.engine.config.vocab_size, "_text_ids")  # a client may send ids directly
         if prompt is None and not text_ids:
             raise RequestError("text_input is empty")
         max_tokens = get("max_tokens", int, 64)
@@ -269,6 +270,7 @@ class SerialTurns:
         state = served.engine.new_conversation() if fresh else served.store.load(turn.conversation_id)
         tokens = turn.prompt if turn.stateless else served.tokenizer.user_turn(turn.text_ids, first=state.length == 0)
         turn.tokens = tokens
+        served.store.limits.check_prompt(len(tokens))  # max_prompt_tokens (python_backend/limits.py)
         if state.length + len(tokens) >= served.engine.config.max_context:
             raise RequestError(f"the conversation would reach {state.length + len(tokens)} tokens, over the "
                                f"context limit of {served.engine.config.max_context}")

@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from .seal import SECRET_VARIABLE, create_secret_file
 
 RUN_VARIABLE = "MOL2_SERVER_RUN"  # a fresh id per server start, seen by every model process of that run
 
@@ -103,13 +104,17 @@ def port_in_use(host: str, port: int) -> bool:
 def start(model_repository: Path, ports: Ports, workdir: Path, log_path: Path | None = None,
           extra_args: list[str] = (), env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start tritonserver; `env` adds variables for its model processes (e.g. MOL2_MODEL_DIR). Each start gets a
-    run id of its own (RUN_VARIABLE), by which the conversation store tells an earlier run's locks."""
+    run id of its own (RUN_VARIABLE, for whoever needs to tell one run from another), and, unless
+    `env` names one (MOL2_SECRET_FILE), a fresh secret for the seals of its internal stages (python_backend/seal.py):
+    a file of the work folder named by the HTTP port, which no other live server can hold."""
     busy = [port for port in (ports.http, ports.grpc, ports.metrics) if port_in_use(ports.host, port)]
     if busy:  # checked first: the ready probe would otherwise find the other server and report it as ours
         raise LaunchError(f"port(s) {', '.join(map(str, busy))} on {ports.host} already in use (another server?): "
                           "stop it or choose other ports (--http-port, --grpc-port, --metrics-port)")
     env = {RUN_VARIABLE: uuid.uuid4().hex, **(env or {})}
     model_repository, workdir = Path(model_repository).resolve(), Path(workdir).resolve()  # the server runs in workdir
+    if not (env.get(SECRET_VARIABLE) or os.environ.get(SECRET_VARIABLE)):  # internal stages check seals with it
+        env[SECRET_VARIABLE] = str(create_secret_file(workdir / "secrets" / f"http-{ports.http}", replace=True))
     server = _wheel_root() / "tritonserver" / "bin" / "tritonserver"
     command = [str(server), f"--model-repository={model_repository}",
                f"--backend-directory={backend_directory(workdir / 'backends')}",

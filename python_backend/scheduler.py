@@ -202,6 +202,7 @@ class Scheduler:
         bos = 1 if self.tokenizer.trained else 0  # the router pools the user's turn less <|bos|>, as it was trained
         if turn.stateless or turn.new:  # the whole sequence is known: start from its longest cached prefix
             whole = turn.prompt if turn.stateless else self.tokenizer.user_turn(turn.text_ids, first=True)
+            self.store.limits.check_prompt(len(whole))  # max_prompt_tokens (python_backend/limits.py)
             row = self._cached_row(turn, whole)
             turn.tokens = whole[row.length:]
             if turn.new:
@@ -211,6 +212,8 @@ class Scheduler:
             turn.tokens = self.tokenizer.user_turn(turn.text_ids, first=row.length == 0)
             turn.route_start = row.length + (bos if row.length == 0 else 0)
         turn.row, turn.start_length = row, row.length
+        if not (turn.stateless or turn.new):
+            self.store.limits.check_prompt(len(turn.tokens))
         limit = self.engine.config.max_context
         if row.length + len(turn.tokens) >= limit:
             raise RequestError(f"the conversation would reach {row.length + len(turn.tokens)} tokens, over the "
@@ -248,13 +251,17 @@ class Scheduler:
     def _prefill(self, budget: int) -> list[Turn]:
         ready, spent = [], 0
         for turn in sorted(self.prefilling, key=lambda t: len(t.tokens) - t.prefilled):
-            while turn.prefilled < len(turn.tokens):
-                chunk = turn.tokens[turn.prefilled: turn.prefilled + self.prefill_chunk]
-                if spent and spent + len(chunk) > budget:
-                    break
-                turn.h19.append(self.engine.prefill(turn.row, chunk))
-                turn.prefilled += len(chunk)
-                spent += len(chunk)
+            try:
+                while turn.prefilled < len(turn.tokens):
+                    chunk = turn.tokens[turn.prefilled: turn.prefilled + self.prefill_chunk]
+                    if spent and spent + len(chunk) > budget:
+                        break
+                    turn.h19.append(self.engine.prefill(turn.row, chunk))
+                    turn.prefilled += len(chunk)
+                    spent += len(chunk)
+            except Exception as error:  # noqa: BLE001 - e.g. an id outside the vocabulary: this turn fails alone
+                self._fail(turn, error)
+                continue
             if turn.prefilled == len(turn.tokens):
                 ready.append(turn)
             if spent >= budget:

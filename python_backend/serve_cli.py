@@ -1,18 +1,30 @@
-"""`mol2 serve`: start the Triton server on this repository's model_repository/ and keep it running."""
+"""`mol2 serve`: start the Triton server on this repository's model_repository/ and keep it running: supervised
+(restarted when it exits unexpectedly), its HTTP behind the guard (python_backend/guard.py), its store held."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import logging
+import os
 import signal
+import socket
 import time
 from pathlib import Path
 
 from ced.engines import ENGINE_KINDS
 
-from .launcher import LaunchError, Ports, start, stop, wait_ready
+from . import limits
+from .guard import Guard, GuardLimits, ServerState, serve_guard
+from .launcher import LaunchError, Ports, port_in_use, start
 from .roles import ROLES, build_prefill_repository, decode_models, single_server_models
+from .seal import SECRET_VARIABLE, SealError, create_secret_file
 from .serving import ROOT, demo_model_dir, write_demo_adapter_set
+from .store import StoreHold, StoreInUse, hold_store
+from .supervisor import Peer, Supervisor
+
+PAIR_SECRET = ROOT / "artifacts" / "triton" / "pair.secret"
 
 
 def prepare_demo() -> Path:
@@ -51,6 +63,31 @@ def add_parser(commands) -> None:
                         help="what runs the CED stages: the PyTorch engine, the exported ONNX graphs under ONNX "
                              "Runtime (exported on first use), or TensorRT engines (GPU; --engine-dir)")
     parser.add_argument("--engine-dir", help="a built engine folder (python -m engine_build onnx | tensorrt)")
+    parser.add_argument("--secret-file", help="the secret that seals the internal stages' inputs (created 0600 if "
+                                              "missing); both servers of a disaggregated pair need the same file "
+                                              f"(default for --role prefill/decode: {PAIR_SECRET.relative_to(ROOT)}; "
+                                              "otherwise a fresh one per start)")
+    parser.add_argument("--store", default=os.environ.get("MOL2_STORE_DIR") or str(ROOT / "artifacts/conversations"),
+                        help="the conversation store (default artifacts/conversations); one live server per store: a "
+                             "second one is refused, naming the first")
+    parser.add_argument("--max-prompt-tokens", type=int,
+                        help="longest prompt of one request, in tokens (default "
+                             f"{limits.DEFAULTS['max_prompt_tokens']:,})")
+    parser.add_argument("--max-conversations", type=int,
+                        help=f"conversations the store keeps; a new one over it is refused (default "
+                             f"{limits.DEFAULTS['max_conversations']:,}; 0: no limit)")
+    parser.add_argument("--max-store-bytes", help="bytes the store keeps, e.g. 8G; a new conversation over it is "
+                                                  "refused (default 8G; 0: no limit)")
+    parser.add_argument("--idle-timeout-s", type=float, help="a conversation idle this long ends (default 3600)")
+    parser.add_argument("--max-body-bytes", type=limits.parse_size, default=GuardLimits.max_body_bytes,
+                        help="largest HTTP request body; larger ones get 413 (default 4M)")
+    parser.add_argument("--max-json-depth", type=int, default=GuardLimits.max_json_depth,
+                        help="deepest JSON nesting of an HTTP request; deeper ones get 400 (default 64)")
+    parser.add_argument("--openai-port", type=int, default=9000,
+                        help="port of the OpenAI-compatible API (/v1/chat/completions, /v1/models, ...) on --host, "
+                             "started once tritonserver is ready (default 9000; 0: off; --role all only)")
+    parser.add_argument("--adapters-root", help="the folder a /v1/load_lora_adapter lora_path must lie in (default: "
+                                                "adapters/ beside the adapter set)")
     parser.add_argument("--ready-only", action="store_true", help="exit once the server answers ready (smoke test)")
     parser.set_defaults(run=serve)
 
@@ -93,32 +130,141 @@ def engine_settings(args: argparse.Namespace, model_dir: Path) -> dict[str, str]
     return {"MOL2_ENGINE": args.engine, "MOL2_ENGINE_DIR": engine_dir or ""}
 
 
+def secret_settings(args: argparse.Namespace) -> dict[str, str]:
+    """MOL2_SECRET_FILE: --secret-file, else one file the two servers of a pair in this checkout share, else a
+    fresh one for this run (kept over tritonserver restarts), named by the public HTTP port no other live server
+    has."""
+    fresh = args.secret_file is None and args.role == "all"
+    path = args.secret_file or (PAIR_SECRET if args.role != "all" else
+                                ROOT / "artifacts" / "triton" / "secrets" / f"http-{args.http_port}")
+    try:
+        return {SECRET_VARIABLE: str(create_secret_file(path, replace=fresh))}
+    except SealError as error:
+        raise SystemExit(f"mol2 serve: {error}") from None
+
+
+def limit_settings(args: argparse.Namespace) -> dict[str, str]:
+    """MOL2_STORE_DIR and the limits the flags set, for every model process (python_backend/serving.py)."""
+    env = {"MOL2_STORE_DIR": str(Path(args.store).resolve())}
+    for name in ("idle_timeout_s", "max_prompt_tokens", "max_conversations", "max_store_bytes"):
+        if getattr(args, name) is not None:
+            env[f"MOL2_{name.upper()}"] = str(getattr(args, name))
+    try:  # refused here, once, rather than by every model's initialize
+        limits.from_settings({name[5:].lower(): value for name, value in env.items() if name != "MOL2_STORE_DIR"})
+    except ValueError as error:
+        raise SystemExit(f"mol2 serve: {error}") from None
+    return env
+
+
+def hold(args: argparse.Namespace, public: Ports) -> StoreHold | None:
+    """The store, for this server's life (a decode server keeps none)."""
+    if args.role == "decode":
+        return None
+    owner = {"pid": os.getpid(), "host": socket.gethostname(), "http": public.http_url, "grpc": public.grpc_url,
+             "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        return hold_store(args.store, owner)
+    except StoreInUse as error:
+        raise SystemExit(f"mol2 serve: {error}") from None
+
+
 def serve(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    public = Ports(args.http_port, args.grpc_port, args.metrics_port, args.host)
+    busy = [port for port in (public.http, public.grpc, public.metrics) if port_in_use(public.host, port)]
+    if busy:
+        raise SystemExit(f"mol2 serve: port(s) {', '.join(map(str, busy))} on {public.host} already in use (another "
+                         "server?): stop it or choose other ports (--http-port, --grpc-port, --metrics-port)")
+    limit_env = limit_settings(args)
+    store = hold(args, public)  # before anything is built or started: a second server on the store stops here
+    if args.openai_port and args.role == "all" and port_in_use(public.host, args.openai_port):
+        raise SystemExit(f"mol2 serve: port {args.openai_port} on {public.host} already in use: choose another "
+                         "--openai-port (0: no OpenAI API)")
     model_dir = prepare_demo()
-    ports = Ports(args.http_port, args.grpc_port, args.metrics_port, args.host)
     Path(args.log).parent.mkdir(parents=True, exist_ok=True)
     repository, extra_args = role_repository(args)
-    env = engine_settings(args, model_dir)
+    env = {**engine_settings(args, model_dir), **secret_settings(args), **limit_env}
     print(f"serving {model_dir} (adapters: {model_dir.parent / 'adapter_set.json'}); role {args.role}; engine "
-          f"{args.engine}; log: {args.log}")
-    process = start(repository, ports, ROOT / "artifacts/triton", Path(args.log), extra_args, env=env)
-    stopping = {"now": False}
-
-    def on_signal(signum, frame):
-        stopping["now"] = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+          f"{args.engine}; store {env['MOL2_STORE_DIR']}; log: {args.log}")
+    # tritonserver's HTTP and metrics listen on loopback ports of their own, behind the guard; gRPC is public.
+    extra_args = [*extra_args, f"--grpc-address={public.host}", "--http-address=127.0.0.1",
+                  "--metrics-address=127.0.0.1"]
+    launch = lambda ports: start(repository, ports, ROOT / "artifacts/triton", Path(args.log), extra_args,  # noqa
+                                 env=env)
+    peers = (Peer(args.decode_url, tuple(decode_models(Path(args.model_repository)))),) if args.role == "prefill" \
+        else ()
+    state = ServerState(role=args.role, details={
+        "http": public.http_url, "grpc": public.grpc_url, "metrics": f"{public.host}:{public.metrics}",
+        "store": None if store is None else env["MOL2_STORE_DIR"],
+        "limits": {"max_body_bytes": args.max_body_bytes, "max_json_depth": args.max_json_depth,
+                   **{name[5:].lower(): value for name, value in env.items() if name.startswith("MOL2_MAX")
+                      or name == "MOL2_IDLE_TIMEOUT_S"}}})
+    guard = Guard(state, GuardLimits(args.max_body_bytes, args.max_json_depth))
+    supervisor = Supervisor(state, launch, public.grpc, peers)
     try:
-        wait_ready(process, ports)
-        print(f"ready: HTTP http://{ports.http_url}  gRPC {ports.grpc_url}  metrics "
-              f"http://{ports.host}:{ports.metrics}/metrics")
-        if args.role != "decode":
-            print(f"try:\n  {example_request(ports)}")
-        while not stopping["now"] and not args.ready_only:
-            if process.poll() is not None:
-                raise LaunchError(f"tritonserver exited with code {process.returncode}; see {args.log}")
-            time.sleep(0.5)
+        asyncio.run(_serve(args, public, guard, supervisor))
+    except LaunchError as error:
+        raise SystemExit(f"mol2 serve: {error}; see {args.log}") from None
     finally:
-        print("stopping tritonserver")
-        stop(process)
+        if store is not None:
+            store.release()
+
+
+def start_openai(args: argparse.Namespace, public: Ports):
+    """The OpenAI-compatible API (python_backend/openai_api) in this process, talking to tritonserver's `engine` over
+    gRPC; None when --openai-port is 0 or the role has no engine (prefill / decode servers)."""
+    if not args.openai_port or args.role != "all":
+        return None
+    from .openai_api import OpenAIServer, OpenAISettings
+
+    grpc = f"127.0.0.1:{public.grpc}" if public.host in ("0.0.0.0", "::", "") else public.grpc_url
+    # the model and adapter set: resolved as the engine resolves them (the same MOL2_* variables)
+    settings = OpenAISettings(grpc, adapters_root=Path(args.adapters_root) if args.adapters_root else None)
+    try:
+        front = OpenAIServer(settings, public.host, args.openai_port).start()
+    except RuntimeError as error:
+        raise LaunchError(str(error)) from None
+    body = json.dumps({"model": "coding", "messages": [{"role": "user", "content": "Reverse a list in Python."}],
+                       "max_tokens": 32})
+    print(f"OpenAI API: {front.url}/v1  (models: {front.url}/v1/models, metrics: {front.url}/metrics)\n  curl -s "
+          f"{front.url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'", flush=True)
+    return front
+
+
+async def _serve(args: argparse.Namespace, public: Ports, guard: Guard, supervisor: Supervisor) -> None:
+    stopping, ready = asyncio.Event(), asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        print("stopping tritonserver", flush=True)
+        stopping.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal)
+    runners = await serve_guard(guard, public.host, public.http, public.metrics)
+    front = None  # the OpenAI API, once tritonserver is ready
+    supervising = asyncio.create_task(supervisor.run(stopping, ready))
+    waiting = asyncio.create_task(ready.wait())
+    try:
+        await asyncio.wait([supervising, waiting], return_when=asyncio.FIRST_COMPLETED)
+        if ready.is_set():
+            while guard.state.not_ready_reasons() and not stopping.is_set() and not supervising.done():
+                await asyncio.sleep(0.2)  # a prefill server: until its decode server answers
+            print(f"ready: HTTP http://{public.http_url} (guarded)  gRPC {public.grpc_url}  metrics "
+                  f"http://{public.host}:{public.metrics}/metrics  status http://{public.http_url}/v2/status",
+                  flush=True)
+            if args.role != "decode":
+                print(f"try:\n  {example_request(public)}", flush=True)
+            front = await asyncio.to_thread(start_openai, args, public)
+            if args.ready_only:
+                stopping.set()
+        await supervising  # raises the first start's LaunchError
+    finally:
+        stopping.set()
+        waiting.cancel()
+        if front is not None:
+            await asyncio.to_thread(front.stop)
+        if not supervising.done():
+            await supervising
+        for runner in runners:
+            await runner.cleanup()

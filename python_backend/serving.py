@@ -2,7 +2,8 @@
 
 Every setting comes from the model's config.pbtxt `parameters`. A setting left `auto` is taken from the
 environment variable MOL2_<NAME> when set (`mol2 serve` and the tests use this), else from the demo: the trained
-demo when it exists (models/demo), the untrained one otherwise. Relative paths are relative to the project root.
+demo when it exists (models/demo), the untrained one otherwise; the limits and the idle timeout from
+python_backend/limits.py's defaults. Relative paths are relative to the project root.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from ced.engine import CEDEngine
 from ced.engines import ENGINE_KINDS, make_engine
 
 from .adapter_set import AdapterSetWatcher, sync_registry
+from .limits import Limits, from_settings, resolve
 from .store import ConversationStore
 from ced.tokenization import ChatTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS = {"model_dir": "auto", "adapter_set": "auto", "store_dir": "auto", "router_dir": "auto", "threads": "1",
-            "idle_timeout_s": "3600", "max_adapters": "8", "max_rank": "16", "engine": "auto", "engine_dir": "auto"}
+            "idle_timeout_s": "auto", "max_prompt_tokens": "auto", "max_conversations": "auto",
+            "max_store_bytes": "auto", "max_adapters": "8", "max_rank": "16", "engine": "auto", "engine_dir": "auto"}
 
 
 def _resolve(path: str) -> Path:
@@ -62,6 +65,7 @@ class ServingSettings:
     max_rank: int
     engine: str = "torch"  # torch | onnxruntime | tensorrt (ced.engines)
     engine_dir: Path | None = None  # None: onnxruntime exports once into artifacts/engines/
+    limits: Limits = Limits()  # prompt tokens per request, conversations and bytes the store keeps
 
     @classmethod
     def from_parameters(cls, parameters: dict[str, str]) -> "ServingSettings":
@@ -79,8 +83,12 @@ class ServingSettings:
         engine_dir = None if values["engine_dir"] in ("auto", "") else _resolve(values["engine_dir"])
         return cls(model_dir, adapter_set, store_dir,
                    router_dir if router_dir.is_dir() else None, int(values["threads"]),
-                   float(values["idle_timeout_s"]), int(values["max_adapters"]), int(values["max_rank"]),
-                   engine, engine_dir)
+                   float(resolve("idle_timeout_s", values["idle_timeout_s"])), int(values["max_adapters"]),
+                   int(values["max_rank"]), engine, engine_dir, from_settings(values))
+
+    def open_store(self, config) -> ConversationStore:
+        """The conversation store with this server's idle timeout and limits."""
+        return ConversationStore(self.store_dir, config, self.idle_timeout_s, self.limits)
 
 
 def triton_parameters(model_config: dict) -> dict[str, str]:
@@ -104,7 +112,7 @@ class Served:
         torch.set_num_threads(settings.threads)
         engine = make_engine(settings.engine, settings.model_dir, settings.max_adapters, settings.max_rank,
                              settings.engine_dir, settings.threads)
-        served = cls(settings, engine, ConversationStore(settings.store_dir, engine.config, settings.idle_timeout_s),
+        served = cls(settings, engine, settings.open_store(engine.config),
                      ChatTokenizer(settings.model_dir), AdapterSetWatcher(settings.adapter_set), {}, {})
         if with_adapters:
             sync_registry(engine.adapters, served.watcher.current, served.fingerprints, served.load_errors)

@@ -1,7 +1,8 @@
 """The logic of one turn's three stages, free of Triton so it is tested without a server.
 
 prefill: the new user turn through the adapter-free stage (never the history again), H19 pooled over the turn,
-         the state serialized for the transfer. Holds the conversation's turn lock until decode ends.
+         the state serialized for the transfer. The caller (the relay) holds the conversation's turn lock until
+         the turn's state is committed.
 route:   an explicit adapter always wins; otherwise the MoL2 head scores the pooled H19. The decision is the
          31-bit FNV-1a hash of the adapter's path, written into the transfer's metadata.
 decode:  maps the hash through its own registry (an unknown hash is an error), replays W positions under the
@@ -24,6 +25,7 @@ from ced.batched import BatchedEngine
 from ced.engine import CEDEngine, SamplingParams
 
 from .adapter_set import AdapterSet
+from .detokenize import check_ids
 from .fnv import BASE
 from .store import ConversationStore
 from ced.tokenization import ChatTokenizer
@@ -67,9 +69,11 @@ class PrefillStage:
         self.engine, self.store, self.tokenizer = engine, store, tokenizer
 
     def run(self, conversation_id: str | None, text_ids: list[int], route_only: bool = False) -> PrefillResult:
-        """`route_only`: H19 for a routing decision; the stored state is read, never written or locked."""
+        """`route_only`: H19 for a routing decision only. Either way the stored state is read, never written or
+        locked."""
         if not text_ids:
             raise RequestError("text_input is empty")
+        check_ids(text_ids, self.engine.config.vocab_size, "_text_ids")
         new = not conversation_id
         conversation_id = conversation_id or ("" if route_only else uuid.uuid4().hex)
         state = self.engine.new_conversation() if new else self.store.load(conversation_id)
@@ -79,17 +83,12 @@ class PrefillStage:
         if state.length + len(tokens) >= self.engine.config.max_context:
             raise RequestError(f"the conversation would reach {state.length + len(tokens)} tokens, over the "
                                f"context limit of {self.engine.config.max_context}")
-        if route_only:  # the loaded state is a private copy: prefilling it changes nothing stored
-            h19 = self.engine.prefill(state, tokens)
-            return PrefillResult(conversation_id, h19[skip:].mean(0), b"", TransferMeta(state.length))
-        self.store.begin_turn(conversation_id)
-        try:
-            h19 = self.engine.prefill(state, tokens)
-            return PrefillResult(conversation_id, h19[skip:].mean(0), encode_state(state, self.engine.config),
-                                 TransferMeta(state.length))
-        except BaseException:
-            self.store.end_turn(conversation_id)
-            raise
+        self.store.limits.check_prompt(len(tokens))
+        # The loaded state is a private copy: prefilling it changes nothing stored. The turn lock is the caller's
+        # (the relay takes it in its own process, where the turn ends: an OS lock cannot change hands).
+        h19 = self.engine.prefill(state, tokens)
+        encoded = b"" if route_only else encode_state(state, self.engine.config)
+        return PrefillResult(conversation_id, h19[skip:].mean(0), encoded, TransferMeta(state.length))
 
 
 @dataclass
@@ -160,7 +159,11 @@ class DecodeStage:
         """Yields (token id, positions replayed) per generated token; when done, stores the state (or frees it at
         the end of the conversation), or with `return_state` puts it in `request.final_state` instead. Closed
         early (a cancelled request), it stores nothing: the conversation stays as it was before the turn."""
+        locked = False
         try:
+            if not request.return_state:  # it commits here: the turn lock is taken here, in this process
+                self.store.begin_turn(request.conversation_id)
+                locked = True
             adapter = self.adapter_for(adapter_set, request.meta.adapter_hash)
             state = decode_state(request.state, self.engine.config)
             if state.length != request.meta.length:
@@ -186,7 +189,7 @@ class DecodeStage:
             else:
                 commit_turn(self.store, request.conversation_id, state, request.end_conversation)
         finally:
-            if not request.return_state:
+            if locked:
                 self.store.end_turn(request.conversation_id)
 
 

@@ -7,15 +7,21 @@ per turn stay O(new tokens + W) amortised. A kill mid-write leaves a truncated t
 records (the conversation is back at its last good turn), moves the bad tail to `quarantine/` and cuts it off; a
 journal with no good record at all is dropped. A server restart therefore loses no conversation that was idle.
 
-A turn holds an exclusive lock file from prefill to the end of decode: a second turn on the same conversation is
-refused with a clear error, never interleaved, and only the turn holding the lock writes the journal. A lock is
-stale, and taken over, when it is older than `stale_lock_s` or was written by an earlier run of the server (the
-launcher gives each run an id that every model process of the run sees): a turn cut off by a crash or restart does
-not block its conversation. Idle records expire, and stale locks are swept with them.
+A turn holds an exclusive OS lock (flock) on `<id>.lock` from its start to the end of decode: a second turn on
+the same conversation, from this process or any other (another model process, another server on the same store),
+is refused with a clear error, never interleaved, and only the turn holding the lock writes the journal. The kernel
+releases the lock when its process dies, so a turn cut off by a crash or a kill never blocks its conversation; the
+lock file it leaves is swept by `expire`. Idle records expire (never one whose lock is held).
+
+A server holds the whole store with `hold_store` (`mol2 serve` does, for its life): a second server started on a
+store that a live one holds is refused, with the holder named. Limits (python_backend/limits.py): a new
+conversation is refused when the store is at `max_conversations` or `max_store_bytes`.
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
 import logging
 import os
 import re
@@ -28,11 +34,12 @@ from ced.config import CEDConfig
 from ced.state import ConversationState
 
 from .journal import StateDelta, apply_delta, delta_of, empty_state, encode_record, journal_length, read_journal
-from .launcher import RUN_VARIABLE
+from .limits import Limits
 
 log = logging.getLogger(__name__)
 _ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 QUARANTINE = "quarantine"
+OWNER = ".server.lock"  # the store-level lock (a name no conversation id can take)
 
 
 class StoreError(ValueError):
@@ -44,6 +51,10 @@ class ConversationBusy(StoreError):
 
 
 class UnknownConversation(StoreError):
+    pass
+
+
+class StoreInUse(StoreError):
     pass
 
 
@@ -67,11 +78,10 @@ class _Journal:
 
 class ConversationStore:
     def __init__(self, root: str | Path, config: CEDConfig, idle_timeout_s: float = 3600.0,
-                 stale_lock_s: float = 600.0, run_id: str | None = None, compact_slack: int = 1 << 20):
+                 limits: Limits = Limits(), compact_slack: int = 1 << 20):
         self.root, self.config = Path(root), config
-        self.idle_timeout_s, self.stale_lock_s = idle_timeout_s, stale_lock_s
-        self.run_id = os.environ.get(RUN_VARIABLE, "") if run_id is None else run_id  # "" when not started by us
-        self._held: set[str] = set()  # the turns this store began (its own lock does not mean "being written")
+        self.idle_timeout_s, self.limits = idle_timeout_s, limits
+        self._held: dict[str, int] = {}  # the turns this store began -> the descriptor holding their flock
         self.compact_slack = compact_slack  # bytes a journal may exceed twice its live state by before compaction
         self.bytes_written = 0  # journal bytes this process wrote (appends and snapshots)
         self.last_write_bytes = 0  # bytes of the last save/append/compact
@@ -90,10 +100,19 @@ class ConversationStore:
         return self._record(conversation_id).is_file()
 
     def load(self, conversation_id: str) -> ConversationState:
-        """The conversation at its last good turn. While another turn holds the lock, its record may be half
-        written: the file is then left alone (that turn repairs it, or the next load after it)."""
+        """The conversation at its last good turn. A bad tail is repaired only under the turn lock (this store's
+        turn, or the lock taken for the repair): while another turn holds it, the record may be half written and
+        is left alone (that turn repairs it, or the next load after it)."""
         try:
-            deltas, problem, clean = self._read(conversation_id, repair=not self._turn_running(conversation_id))
+            held = conversation_id in self._held
+            deltas, problem, clean = self._read(conversation_id, repair=held)
+            if problem is not None and not held:
+                descriptor = self._try_lock(conversation_id)
+                if descriptor is not None:
+                    try:
+                        deltas, problem, clean = self._read(conversation_id, repair=True)
+                    finally:
+                        self._unlock(conversation_id, descriptor)
         except FileNotFoundError:
             raise UnknownConversation(f"unknown conversation_id {conversation_id!r} (ended, expired or never "
                                       "started)") from None
@@ -162,22 +181,49 @@ class ConversationStore:
         return sorted(p.stem for p in self.root.glob("*.state"))  # not recursive: quarantine/ is not listed
 
     def expire(self, now: float | None = None) -> list[str]:
-        """Delete records idle longer than the timeout (never one with a live turn) and stale lock files."""
+        """Delete records idle longer than the timeout (never one whose turn lock is held) and the lock files
+        that dead processes left."""
         now, expired = time.time() if now is None else now, []
         for lock in self.root.glob("*.lock"):
-            if self._stale(lock, now):
-                lock.unlink(missing_ok=True)
+            if _ID.match(lock.stem) and not lock.stem.startswith(".") and lock.stem not in self._held:
+                descriptor = self._try_lock(lock.stem)  # taken: its holder died; released, the file goes
+                if descriptor is not None:
+                    self._unlock(lock.stem, descriptor)
         for conversation_id in self.conversations():
             path = self._record(conversation_id)
             try:
                 idle = now - path.stat().st_mtime
             except FileNotFoundError:
                 continue
-            if idle > self.idle_timeout_s and not self._lock(conversation_id).exists():
+            if idle <= self.idle_timeout_s or conversation_id in self._held:
+                continue
+            descriptor = self._try_lock(conversation_id)  # held for the delete: no turn starts on it meanwhile
+            if descriptor is None:
+                continue
+            try:
                 path.unlink(missing_ok=True)
                 self._journals.pop(conversation_id, None)
                 expired.append(conversation_id)
+            finally:
+                self._unlock(conversation_id, descriptor)
         return expired
+
+    def usage(self) -> tuple[int, int]:
+        """(conversations, bytes) the store holds: records plus conversations whose first turn is running (a lock
+        without a record yet), and the bytes of every record."""
+        ids, size = set(), 0
+        with os.scandir(self.root) as entries:
+            for entry in entries:
+                stem, suffix = os.path.splitext(entry.name)
+                if suffix == ".state":
+                    ids.add(stem)
+                    try:
+                        size += entry.stat().st_size
+                    except FileNotFoundError:
+                        pass
+                elif suffix == ".lock" and entry.name != OWNER:
+                    ids.add(stem)
+        return len(ids), size
 
     # -- the journal file -----------------------------------------------------------------------------------
 
@@ -287,37 +333,90 @@ class ConversationStore:
         self.bytes_written += written
         self.last_write_bytes = written
 
-    def _turn_running(self, conversation_id: str) -> bool:
-        """Another turn (not one this store began) holds the lock."""
-        if conversation_id in self._held:
-            return False
-        lock = self._lock(conversation_id)
-        return lock.exists() and not self._stale(lock, time.time())
-
     # -- one turn at a time ---------------------------------------------------------------------------------
 
-    def _stale(self, lock: Path, now: float) -> bool:
-        """A lock of a turn that died without ending: too old, or from an earlier run of the server."""
-        try:
-            if now - lock.stat().st_mtime > self.stale_lock_s:
-                return True
-            return bool(self.run_id) and lock.read_text().split()[0] != self.run_id
-        except (FileNotFoundError, IndexError):  # gone meanwhile, or caught between create and write
-            return False
+    def _try_lock(self, conversation_id: str) -> int | None:
+        """A descriptor holding the conversation's flock, or None when another holder has it (any process, or
+        another descriptor of this one)."""
+        path = self._lock(conversation_id)
+        while True:
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(descriptor)
+                return None
+            try:
+                current = os.stat(path).st_ino
+            except FileNotFoundError:
+                current = None
+            if current == os.fstat(descriptor).st_ino:
+                return descriptor
+            # The holder before us removed the file as it released it: what we locked is no longer the lock.
+            os.close(descriptor)
+
+    def _unlock(self, conversation_id: str, descriptor: int) -> None:
+        # Removed while still held, so that whoever opens the path next creates and locks a fresh file (_try_lock
+        # checks that it locked the file the path names).
+        self._lock(conversation_id).unlink(missing_ok=True)
+        os.close(descriptor)
 
     def begin_turn(self, conversation_id: str) -> None:
-        lock = self._lock(conversation_id)
-        try:
-            if self._stale(lock, time.time()):
-                lock.unlink(missing_ok=True)
-            descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
+        """Take the conversation's turn lock (held by this store until end_turn, or until the process dies). A
+        conversation without a record is a new one: refused when the store is at its limits."""
+        descriptor = None if conversation_id in self._held else self._try_lock(conversation_id)
+        if descriptor is None:
             raise ConversationBusy(f"conversation {conversation_id!r} already has a turn in progress; "
-                                   "send the next turn after this one's answer") from None
-        os.write(descriptor, f"{self.run_id or '-'} {os.getpid()}".encode())
-        os.close(descriptor)
-        self._held.add(conversation_id)
+                                   "send the next turn after this one's answer")
+        try:
+            if not self.exists(conversation_id):
+                conversations, size = self.usage()
+                self.limits.check_room(conversations - 1, size)  # less its own lock, just taken
+            os.ftruncate(descriptor, 0)
+            os.write(descriptor, f"{os.getpid()} {time.time():.0f}\n".encode())  # who holds it, for a person
+        except BaseException:
+            self._unlock(conversation_id, descriptor)
+            raise
+        self._held[conversation_id] = descriptor
 
     def end_turn(self, conversation_id: str) -> None:
-        self._held.discard(conversation_id)
-        self._lock(conversation_id).unlink(missing_ok=True)
+        """Release the lock if this store holds it (a turn it did not begin is left alone)."""
+        descriptor = self._held.pop(conversation_id, None)
+        if descriptor is not None:
+            self._unlock(conversation_id, descriptor)
+
+
+class StoreHold:
+    """The store-level lock of a live server (python_backend/store.py hold_store); released by `release` or when
+    the process dies."""
+
+    def __init__(self, path: Path, descriptor: int):
+        self.path, self.descriptor = path, descriptor
+
+    def release(self) -> None:
+        if self.descriptor is not None:
+            os.close(self.descriptor)  # the file stays: unlinking it could let two servers lock two files
+            self.descriptor = None
+
+
+def hold_store(root: str | Path, owner: dict) -> StoreHold:
+    """Hold the store for this server's life; `owner` (pid, host, ports) is written for whoever is refused. Raises
+    StoreInUse naming the live server that holds it."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / OWNER
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        try:
+            holder = json.loads(path.read_text() or "{}")
+        except (OSError, ValueError):
+            holder = {}
+        described = ", ".join(f"{key} {value}" for key, value in holder.items()) or "details not written yet"
+        raise StoreInUse(f"the conversation store {root} is held by another live server ({described}): stop it, "
+                         "or give this server a store of its own (mol2 serve --store DIR)") from None
+    os.ftruncate(descriptor, 0)
+    os.pwrite(descriptor, json.dumps(owner).encode(), 0)
+    return StoreHold(path, descriptor)

@@ -1,7 +1,8 @@
 """A conversation's state as bytes: what prefill hands to decode, and what the store keeps on disk.
 
 safetensors, never pickle. The metadata carries a format version, the model config's fingerprint, the adapter
-that owns the bound windows, and a sha256 of every tensor's bytes: a damaged or foreign record is refused.
+that owns the bound windows (its name, length and digest), and a sha256 of every tensor's bytes and every one of
+those fields: a damaged or foreign record is refused, whichever field the damage is in.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from safetensors.torch import load, save
 from ced.config import CEDConfig
 from ced.state import AdapterState, ConversationState, GlobalKV, LocalWindow, Selection, SharedState
 
-FORMAT = "mol2-state-1"
+FORMAT = "mol2-state-2"  # 2: the checksum covers the metadata fields too
 
 
 class TransferError(ValueError):
@@ -27,8 +28,14 @@ def config_fingerprint(config: CEDConfig) -> str:
     return hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _checksum(tensors: dict[str, torch.Tensor]) -> str:
+COVERED = ("format", "config", "bound_adapter", "bound_length", "bound_digest")  # the metadata the checksum covers
+
+
+def _checksum(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
     digest = hashlib.sha256()
+    for key in COVERED:  # length-prefixed, so no two different sets of fields hash alike
+        value = str(metadata.get(key, "")).encode()
+        digest.update(f"{key}:{len(value)}:".encode() + value)
     for key in sorted(tensors):
         digest.update(key.encode())
         digest.update(tensors[key].contiguous().view(torch.uint8).numpy().tobytes())
@@ -52,13 +59,24 @@ def encode_state(state: ConversationState, config: CEDConfig) -> bytes:
         put("shared.selection", idx=state.shared.selection.idx, valid=state.shared.selection.valid)
     for layer, window in state.bound.windows.items():
         put(f"bound.window.{layer}", k=window.k, v=window.v)
-    metadata = {"format": FORMAT, "config": config_fingerprint(config), "checksum": _checksum(tensors),
+    metadata = {"format": FORMAT, "config": config_fingerprint(config),
                 "bound_adapter": json.dumps(state.bound.adapter), "bound_length": str(state.bound.length),
                 "bound_digest": json.dumps(state.bound.digest)}
+    metadata["checksum"] = _checksum(tensors, metadata)
     return save(tensors, metadata=metadata)
 
 
 def decode_state(data: bytes, config: CEDConfig) -> ConversationState:
+    try:
+        return _decode_state(data, config)
+    except TransferError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError, AttributeError) as error:
+        # the checksum is no secret: bytes a client made can pass it (a direct decode call is refused by its seal)
+        raise TransferError(f"state bytes do not hold a conversation state: {type(error).__name__}: {error}") from None
+
+
+def _decode_state(data: bytes, config: CEDConfig) -> ConversationState:
     try:
         tensors = load(data)
         metadata = _read_metadata(data)
@@ -69,8 +87,13 @@ def decode_state(data: bytes, config: CEDConfig) -> ConversationState:
     if metadata.get("config") != config_fingerprint(config):
         raise TransferError("state was written for another model config "
                             f"({metadata.get('config')} != {config_fingerprint(config)})")
-    if metadata.get("checksum") != _checksum(tensors):
+    if metadata.get("checksum") != _checksum(tensors, metadata):
         raise TransferError("state checksum does not match its contents: the record is damaged")
+    try:
+        bound_adapter, bound_length = json.loads(metadata["bound_adapter"]), int(metadata["bound_length"])
+        bound_digest = json.loads(metadata["bound_digest"])
+    except (KeyError, ValueError) as error:
+        raise TransferError(f"state metadata is incomplete: {error}") from None
 
     def window(prefix: str) -> LocalWindow:
         return LocalWindow(config.window, tensors.get(f"{prefix}.k"), tensors.get(f"{prefix}.v"))
@@ -83,9 +106,8 @@ def decode_state(data: bytes, config: CEDConfig) -> ConversationState:
         selection = Selection(tensors["shared.selection.idx"], tensors["shared.selection.valid"])
     shared = SharedState({i: window(f"shared.window.{i}") for i in range(E + 1)}, stores,
                          tensors.get("shared.stream"), selection, tensors["tokens"].tolist())
-    bound = AdapterState(json.loads(metadata["bound_adapter"]),
-                         {i: window(f"bound.window.{i}") for i in config.adapter_bound_layers},
-                         int(metadata["bound_length"]), json.loads(metadata.get("bound_digest", "null")))
+    bound = AdapterState(bound_adapter, {i: window(f"bound.window.{i}") for i in config.adapter_bound_layers},
+                         bound_length, bound_digest)
     return ConversationState(shared, bound)
 
 

@@ -3,6 +3,7 @@ tokenize, prefill and route here through BLS, decode on the decode server over T
 committed to this server's store. Same inputs and outputs as the ensemble, so clients do not change."""
 
 import json
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -10,8 +11,8 @@ import triton_python_backend_utils as pb
 
 from ced.model import CEDForCausalLM
 from python_backend.front import PASSED_ON, Relay, bls_call
+from python_backend.seal import Sealer
 from python_backend.serving import ServingSettings, triton_parameters
-from python_backend.store import ConversationStore
 from python_backend.triton_io import error_response
 
 FINAL = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -23,9 +24,9 @@ class TritonPythonModel:
         parameters = triton_parameters(json.loads(args["model_config"]))
         settings = ServingSettings.from_parameters(parameters)
         config = CEDForCausalLM.config_class.from_pretrained(settings.model_dir).ced
-        store = ConversationStore(settings.store_dir, config, settings.idle_timeout_s)
+        store = settings.open_store(config)  # this server's idle timeout and limits
         self.relay = Relay(bls_call(pb), store, parameters["router_model"], parameters["decode_url"],
-                           parameters["decode_model"])
+                           parameters["decode_model"], Sealer.from_environment())
         # Turns wait on the decode server: many run at once, each in its own thread.
         self.pool = ThreadPoolExecutor(max_workers=int(parameters.get("max_turns_in_flight", "64")))
 
@@ -52,6 +53,7 @@ class TritonPythonModel:
         except ValueError as error:
             sender.send(error_response(pb, str(error)), flags=FINAL)
         except Exception as error:  # never leave a client waiting: any failure ends its request with a message
+            pb.Logger.log_error(f"relay failed: {traceback.format_exc()}")
             sender.send(error_response(pb, f"relay failed: {type(error).__name__}: {error}", "INTERNAL"), flags=FINAL)
 
     def finalize(self):

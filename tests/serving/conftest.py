@@ -19,6 +19,7 @@ from mol2_router.head import PointerHead
 from mol2_router.router import MoL2Router
 from python_backend.launcher import Ports, running
 from python_backend.repo_build import build
+from python_backend.seal import SECRET_VARIABLE, create_secret_file
 from python_backend.serving import ROOT
 
 ADAPTERS = {"chat": "small talk and jokes", "coding": "Python code"}
@@ -51,12 +52,14 @@ def served_dir(tmp_path_factory):
 def start_server(served_dir):
     """A context manager: a tritonserver on fresh loopback ports with MOL2_* settings pointing at `served_dir`
     (its conversation store in `served_dir / store`)."""
+    secret = create_secret_file(served_dir / "server.secret")
 
     def server_on(repository, store: str = "conversations", extra_args=(), log: str = "tritonserver.log",
                   engine: str = "torch"):
         settings = {"MOL2_ENGINE": engine, "MOL2_MODEL_DIR": str(served_dir / "model"),
                     "MOL2_ADAPTER_SET": str(served_dir / "adapter_set.json"),
-                    "MOL2_STORE_DIR": str(served_dir / store), "MOL2_ROUTER_DIR": str(served_dir / "router")}
+                    "MOL2_STORE_DIR": str(served_dir / store), "MOL2_ROUTER_DIR": str(served_dir / "router"),
+                    SECRET_VARIABLE: str(secret)}  # one for every server: a disaggregated pair shares it
         ports = Ports.free()
         return running(repository, ports, served_dir / "triton", served_dir / log, env=settings,
                        extra_args=list(extra_args))

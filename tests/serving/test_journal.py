@@ -3,6 +3,7 @@ a kill mid-write or a damaged record brings the conversation back at its last go
 quarantined), a journal with no good record is dropped, and compaction changes the file, never the state."""
 
 import logging
+import shutil
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from ced import CEDConfig
 from python_backend.journal import (JournalError, apply_delta, decode_record, delta_of, empty_state, encode_record,
                                     read_journal)
 from python_backend.store import ConversationStore, StoreError
-from python_backend.transfer import decode_state, encode_state
+from python_backend.transfer import TransferError, decode_state, encode_state
 
 
 @pytest.fixture()
@@ -226,13 +227,13 @@ def test_a_damaged_last_record_loads_the_previous_turn(conversation, tmp_path, c
 
 def test_a_half_written_record_is_left_alone_while_its_turn_runs(conversation, tmp_path):
     engine, state = conversation
-    writer = ConversationStore(tmp_path, engine.config, run_id="run1")
+    writer = ConversationStore(tmp_path, engine.config)
     first, size = two_turns(engine, state, writer)
     path = tmp_path / "c1.state"
     data = path.read_bytes()
     path.write_bytes(data[: size + 20])  # as a reader may see the file while the turn appends
     writer.begin_turn("c1")
-    reader = ConversationStore(tmp_path, engine.config, run_id="run1")
+    reader = ConversationStore(tmp_path, engine.config)
     assert_same_shared(reader.load("c1"), first)
     assert path.read_bytes() == data[: size + 20] and not (tmp_path / "quarantine").exists()
     writer.end_turn("c1")
@@ -256,3 +257,46 @@ def test_damage_in_the_only_record_drops_the_conversation(conversation, tmp_path
     assert [p.read_bytes() for p in (tmp_path / "quarantine").iterdir()] == [bytes(data)]
     store.save("c1", state)  # the id can be used again
     assert_same_shared(store.load("c1"), state)
+
+
+def test_every_header_field_is_under_the_digest(conversation, tmp_path, caplog):
+    """A record whose header field is changed to another valid value (its adapter, its start length) is as damaged
+    as a flipped tensor bit: set aside in quarantine/ (named in the log), never loaded; the conversation comes back
+    at its last good turn."""
+    engine, state = conversation
+    first = encode_record(delta_of(state, 0), engine.config)
+    since = state.length
+    next_turn(engine, state, adapter="A2")
+    second = encode_record(delta_of(state, since), engine.config)
+    for old, new in ((b'\\"A2\\"', b'\\"A3\\"'), (f'"start_length":"{since}"'.encode(),
+                                                  f'"start_length":"{since - 1}"'.encode())):
+        assert second.count(old) == 1
+        damaged = second.replace(old, new)
+        deltas, end, problem = read_journal(first + damaged, engine.config)
+        assert len(deltas) == 1 and end == len(first) and "digest mismatch" in problem
+
+        path = tmp_path / "c1.state"
+        path.write_bytes(first + damaged)
+        shutil.rmtree(tmp_path / "quarantine", ignore_errors=True)
+        caplog.clear()
+        with caplog.at_level(logging.ERROR):
+            loaded = ConversationStore(tmp_path, engine.config).load("c1")
+        assert loaded.length == since and loaded.bound.adapter == "A1"  # the first turn's, not the damaged one's
+        (tail,) = (tmp_path / "quarantine").iterdir()
+        assert tail.read_bytes() == damaged and str(tail) in caplog.text  # set aside whole, and named
+        assert path.read_bytes() == first
+
+
+def test_transfer_metadata_is_under_the_checksum(conversation):
+    """The transfer between the pair's servers: a changed bound adapter or bound length is refused as damage."""
+    engine, state = conversation
+    data = encode_state(state, engine.config)
+    length = str(state.bound.length)
+    other_length = length[:-1] + str((int(length[-1]) + 1) % 10)  # as many digits: the header keeps its size
+    for old, new in ((b'\\"A1\\"', b'\\"A2\\"'), (f'"bound_length":"{length}"'.encode(),
+                                                  f'"bound_length":"{other_length}"'.encode())):
+        assert data.count(old) == 1
+        with pytest.raises(TransferError, match="damaged"):
+            decode_state(data.replace(old, new), engine.config)
+    with pytest.raises(TransferError, match="not a readable|do not hold"):
+        decode_state(data[:40], engine.config)

@@ -1,12 +1,17 @@
 """The disaggregated relay's bookkeeping without a server: the state that comes back is committed and the turn
-lock released; a failed or truncated remote decode releases the lock and writes nothing."""
+lock released; a failed or truncated remote decode, or a returned state without decode's seal, releases the lock
+and writes nothing; every internal request it sends is sealed."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from python_backend.front import Relay
+from python_backend.front import Relay, StageFailure, bls_call
+from python_backend.seal import DECODE, PREFILL, RETURNED, SealError, Sealer, decode_fields, prefill_fields, \
+    returned_fields
 from python_backend.stages import RequestError
 from python_backend.store import ConversationStore
 from python_backend.transfer import encode_state
@@ -26,6 +31,15 @@ def text(value: str) -> np.ndarray:
     return np.array([value.encode()], dtype=object)
 
 
+SEALER = Sealer(bytes(range(32)))
+
+
+def sealed_state(state_bytes: np.ndarray, sealer: Sealer = SEALER) -> Result:
+    """decode's last response: the final state and its seal."""
+    return Result(_state_out=state_bytes, _state_seal=text(sealer.seal(RETURNED, **returned_fields(
+        "c1", state_bytes.tobytes()))))
+
+
 @pytest.fixture()
 def relay_parts(engine, tmp_path):
     store = ConversationStore(tmp_path, engine.config)
@@ -35,8 +49,8 @@ def relay_parts(engine, tmp_path):
     def call(model, inputs, outputs):
         if model == "tokenize":
             return {"_text_ids": np.arange(3)}
-        if model == "prefill":
-            store.begin_turn("c1")  # as the prefill model does
+        if model == "prefill":  # checks the seal as the prefill model does (the relay takes the turn lock)
+            SEALER.check(PREFILL, inputs["_seal"][0].decode(), **prefill_fields(None, False, inputs["_text_ids"]))
             return {"_h19": np.zeros(4, np.float32), "_state": np.zeros(1, np.uint8),
                     "_transfer_meta": np.array([12, 0]), "_conversation_id": text("c1")}
         if model == "router":
@@ -54,8 +68,13 @@ def relay_parts(engine, tmp_path):
 def test_the_returned_state_is_committed_and_the_lock_released(relay_parts):
     store, call, answer, final_state = relay_parts
     sent = []
-    decode = lambda url, model, inputs: iter([Result(**answer), Result(**answer), Result(_state_out=final_state)])  # noqa
-    Relay(call, store, "router", "host:1", "decode", decode).run(
+
+    def decode(url, model, inputs):  # checks the seal as the decode model does
+        SEALER.check(DECODE, inputs["_seal"][0].decode(), **decode_fields(
+            "c1", 12, 0, inputs["_state"].tobytes(), bool(inputs["_return_state"][0]), False))
+        return iter([Result(**answer), Result(**answer), sealed_state(final_state)])
+
+    Relay(call, store, "router", "host:1", "decode", SEALER, decode).run(
         {"text_input": text("hi")}, lambda out, final: sent.append((final, (store.root / "c1.lock").exists())))
     # The FINAL flag rides the last answer, sent once the state is stored and the lock released: a client may
     # send its next turn the moment it has the answer.
@@ -76,5 +95,44 @@ def test_a_failed_remote_decode_releases_the_lock_and_writes_nothing(relay_parts
             raise RequestError("decode server host:1: boom")
 
     with pytest.raises(RequestError, match=message):
-        Relay(call, store, "router", "host:1", "decode", decode).run({"text_input": text("hi")}, lambda *a: None)
+        Relay(call, store, "router", "host:1", "decode", SEALER, decode).run({"text_input": text("hi")},
+                                                                              lambda *a: None)
     assert not store.exists("c1") and not (store.root / "c1.lock").exists()
+
+
+@pytest.mark.parametrize("returned", ["unsealed", "other secret", "other state"])
+def test_a_returned_state_without_decodes_seal_is_not_stored(relay_parts, engine, returned):
+    """The state that comes back is stored only under a seal of this secret over exactly its bytes."""
+    store, call, answer, final_state = relay_parts
+    if returned == "unsealed":
+        last = Result(_state_out=final_state)
+    elif returned == "other secret":
+        last = sealed_state(final_state, Sealer(bytes(32)))
+    else:
+        other = engine.new_conversation()
+        engine.turn(other, [1, 2, 3], "A1")
+        last = Result(_state_out=np.frombuffer(encode_state(other, engine.config), np.uint8),
+                      _state_seal=sealed_state(final_state).outputs["_state_seal"])
+    decode = lambda url, model, inputs: iter([Result(**answer), last])  # noqa: E731
+    with pytest.raises(SealError):
+        Relay(call, store, "router", "host:1", "decode", SEALER, decode).run({"text_input": text("hi")},
+                                                                              lambda *a: None)
+    assert not store.exists("c1") and not (store.root / "c1.lock").exists()
+
+
+@pytest.mark.parametrize("message, error", [("text_input is empty", RequestError),
+                                            ("tokenize failed: KeyError: 'x'", StageFailure)])
+def test_a_stage_error_stays_the_clients_or_ours(message, error):
+    """Through BLS a model's refusal stays a refusal (400) and its failure a failure (500)."""
+
+    class Response:
+        def has_error(self):
+            return True
+
+        def error(self):
+            return SimpleNamespace(message=lambda: message)
+
+    pb = SimpleNamespace(Tensor=lambda name, value: (name, value),
+                         InferenceRequest=lambda **kwargs: SimpleNamespace(exec=Response))
+    with pytest.raises(error, match=message.split(":")[0]):
+        bls_call(pb)("tokenize", {"text_input": text("hi")}, ["_text_ids"])

@@ -125,3 +125,18 @@ def test_a_long_prompt_is_chunked_while_rows_decode(parts):
     assert len(short.tokens) - before >= iterations - 1  # ... and the short row got a token in each of them
     scheduler.drain()
     assert short.done and long.done
+
+
+def test_a_turn_that_fails_in_prefill_fails_alone(parts):
+    scheduler, store, tokenizer = parts
+    good, bad = Sink(), Sink()
+    store.begin_turn("good")
+    scheduler.submit(turn("good", "hello there", "chat", good, tokenizer, max_tokens=8))
+    scheduler.iterate()  # decoding
+    store.begin_turn("bad")
+    broken = turn("bad", "x", "chat", bad, tokenizer)
+    broken.text_ids = [10 ** 6]  # no such token: refused by the engine's prefill
+    scheduler.submit(broken)
+    scheduler.drain()
+    assert isinstance(bad.error, ValueError) and "out of range" in str(bad.error)
+    assert good.done and good.error is None and len(good.tokens) == 8

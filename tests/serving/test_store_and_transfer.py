@@ -61,38 +61,39 @@ def test_damaged_and_foreign_records_are_refused(conversation):
 
 def test_store_persists_refuses_busy_and_expires(conversation, tmp_path):
     engine, state = conversation
-    store = ConversationStore(tmp_path, engine.config, idle_timeout_s=60, run_id="run1")
+    store = ConversationStore(tmp_path, engine.config, idle_timeout_s=60)
     store.save("c1", state)
-    reopened = ConversationStore(tmp_path, engine.config, run_id="run1")  # another model process of the same run
+    reopened = ConversationStore(tmp_path, engine.config)  # another model process of the same server
     assert reopened.load("c1").shared.tokens == state.shared.tokens
     store.begin_turn("c1")
     with pytest.raises(ConversationBusy, match="already has a turn in progress"):
         reopened.begin_turn("c1")
-    assert store.expire(now=time.time() + 300) == []  # idle past the timeout, but a turn runs (lock < 600 s old)
+    with pytest.raises(ConversationBusy, match="already has a turn in progress"):
+        store.begin_turn("c1")  # the same store, a second turn
+    assert store.expire(now=time.time() + 300) == []  # idle past the timeout, but a turn runs
+    assert reopened.expire(now=time.time() + 300) == []  # seen from another store: its lock is held
+    reopened.end_turn("c1")  # not its lock: left alone
+    with pytest.raises(ConversationBusy):
+        reopened.begin_turn("c1")
     store.end_turn("c1")
+    assert not (tmp_path / "c1.lock").exists()
     assert store.expire(now=time.time() + 300) == ["c1"]
     with pytest.raises(UnknownConversation, match="unknown conversation_id 'c1'"):
         store.load("c1")
 
 
-def test_locks_of_a_dead_turn_do_not_block_or_linger(conversation, tmp_path):
+def test_a_lock_file_left_unheld_neither_blocks_nor_lingers(conversation, tmp_path):
+    """A lock file whose holder died (the kernel released its flock; tests/serving/test_store_locks.py kills a real
+    process) is taken at once and swept by expiry."""
     engine, state = conversation
-    before_restart = ConversationStore(tmp_path, engine.config, idle_timeout_s=60, run_id="run1")
-    before_restart.save("c1", state)
-    before_restart.begin_turn("c1")         # the server dies mid-turn ...
-    before_restart.begin_turn("never-saved")  # ... also in the first turn of a conversation never stored
-    after_restart = ConversationStore(tmp_path, engine.config, idle_timeout_s=60, run_id="run2")
-    after_restart.begin_turn("c1")           # an earlier run's lock is taken over at once, not after 600 s
-    with pytest.raises(ConversationBusy):
-        ConversationStore(tmp_path, engine.config, run_id="run2").begin_turn("c1")  # this run's lock holds
-    after_restart.end_turn("c1")
-    assert after_restart.expire(now=time.time() + 300) == ["c1"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == []   # the orphan lock is swept too
-    unmanaged = ConversationStore(tmp_path, engine.config, run_id="")  # a tritonserver not started by our launcher
-    unmanaged.begin_turn("c2")
-    with pytest.raises(ConversationBusy):
-        ConversationStore(tmp_path, engine.config, run_id="").begin_turn("c2")  # only age makes its locks stale
-    assert unmanaged.expire(now=time.time() + 700) == [] and not list(tmp_path.glob("*.lock"))
+    store = ConversationStore(tmp_path, engine.config, idle_timeout_s=60)
+    store.save("c1", state)
+    (tmp_path / "c1.lock").write_text("4242 1700000000\n")  # as a killed process leaves it
+    (tmp_path / "never-saved.lock").write_text("4242 1700000000\n")
+    store.begin_turn("c1")
+    store.end_turn("c1")
+    assert store.expire(now=time.time() + 300) == ["c1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # the orphan lock is swept too
 
 
 def test_damaged_record_is_dropped_not_loaded(conversation, tmp_path):

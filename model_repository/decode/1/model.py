@@ -2,7 +2,9 @@
 that adapter, then streams token ids (one response per token with `stream`, else one aggregated response) for
 the `detokenize` step to turn into text.
 With `_return_state` (a disaggregated prefill server's relay) the final state comes back in `_state_out`, in a
-last response of its own, and the store is not touched: the prefill server owns it."""
+last response of its own, sealed in `_state_seal`, and the store is not touched: the prefill server owns it.
+Internal: a request without its caller's seal over the conversation, the transfer and the state
+(python_backend/seal.py) is refused before anything is read, written, locked or unlocked."""
 
 import json
 import traceback
@@ -14,6 +16,7 @@ from ced.batched import BatchedEngine
 from ced.engine import SamplingParams
 from python_backend.detokenize import window
 from python_backend.metrics import Counters
+from python_backend.seal import DECODE, RETURNED, Sealer, decode_fields, returned_fields
 from python_backend.serving import Served, ServingSettings, triton_parameters
 from python_backend.stages import DecodeRequest, DecodeStage, TransferMeta
 from python_backend.triton_io import as_scalar, as_text, error_response, optional, required, text_tensor
@@ -31,6 +34,7 @@ class TritonPythonModel:
         self.stage = DecodeStage(self.served.engine, self.served.store, self.served.tokenizer,
                                  self.served.load_errors, batched)
         self.counters = Counters(pb, "decode")
+        self.sealer = Sealer.from_environment()
 
     def _parse(self, request) -> tuple[DecodeRequest, bool, str]:
         get = lambda name, kind, default: as_scalar(optional(pb, request, name), name, kind, default)  # noqa: E731
@@ -64,36 +68,35 @@ class TritonPythonModel:
             pb.Logger.log_info(f"adapter set changed: {'; '.join(changes)}")
         for request in requests:
             sender = request.get_response_sender()
-            try:
-                self._serve(request, sender)
+            try:  # refused here, the request has touched nothing: no lock is taken or released
+                parsed = self._parse(request)
+                decode_request = parsed[0]
+                self.sealer.check(DECODE, as_text(optional(pb, request, "_seal"), "_seal"), **decode_fields(
+                    decode_request.conversation_id, decode_request.meta.length, decode_request.meta.adapter_hash,
+                    decode_request.state, decode_request.return_state, decode_request.end_conversation))
             except ValueError as error:
+                sender.send(error_response(pb, str(error)), flags=FINAL)
+                continue
+            try:
+                self._serve(*parsed, sender)
+            except ValueError as error:
+                self._end_turn_here(decode_request)  # idempotent: the stage may have ended it already
                 sender.send(error_response(pb, str(error)), flags=FINAL)
             except Exception as error:  # a failure of ours: logged in full, the client gets one line, not a traceback
                 pb.Logger.log_error(f"decode failed: {traceback.format_exc()}")
-                self._end_turn_here(request)  # idempotent: the stage may have ended it already
+                self._end_turn_here(decode_request)
                 sender.send(error_response(pb, f"decode failed: {type(error).__name__}: {error}", "INTERNAL"),
                             flags=FINAL)
 
-    def _end_turn_here(self, request) -> None:
-        """A refused turn ends here, unless a disaggregated prefill server holds its lock (it ends it there)."""
-        if as_scalar(optional(pb, request, "_return_state"), "_return_state", bool, False):
-            return
-        conversation_id = as_text(optional(pb, request, "_conversation_id"), "_conversation_id")
-        if conversation_id:
-            self.served.store.end_turn(conversation_id)
+    def _end_turn_here(self, decode_request: DecodeRequest) -> None:
+        """A sealed turn refused here ends here, unless a disaggregated prefill server holds its lock (it ends it
+        there)."""
+        if not decode_request.return_state:
+            self.served.store.end_turn(decode_request.conversation_id)
 
-    def _serve(self, request, sender):
-        try:
-            decode_request, stream, scores = self._parse(request)
-        except ValueError:
-            self._end_turn_here(request)
-            raise
+    def _serve(self, decode_request: DecodeRequest, stream: bool, scores: str, sender):
         self.counters.add("mol2_routes_read", str(decode_request.meta.adapter_hash))
-        try:
-            adapter = self.stage.adapter_for(self.served.watcher.current, decode_request.meta.adapter_hash) or "base"
-        except ValueError:
-            self._end_turn_here(request)
-            raise
+        adapter = self.stage.adapter_for(self.served.watcher.current, decode_request.meta.adapter_hash) or "base"
         ids, replayed = [], 0
         respond = lambda fresh, last: self._response(ids, fresh, last, adapter, replayed, scores,  # noqa: E731
                                                      decode_request.conversation_id)
@@ -113,8 +116,10 @@ class TritonPythonModel:
         # Streamed: the last response adds no ids, it flushes a character left unfinished (and carries FINAL).
         last = [respond(0 if stream else len(ids), True)]
         if decode_request.return_state:
-            last.append(pb.InferenceResponse([pb.Tensor("_state_out", np.frombuffer(decode_request.final_state,
-                                                                                   dtype=np.uint8))]))
+            state, conversation_id = decode_request.final_state, decode_request.conversation_id
+            seal = self.sealer.seal(RETURNED, **returned_fields(conversation_id, state))
+            last.append(pb.InferenceResponse([pb.Tensor("_state_out", np.frombuffer(state, dtype=np.uint8)),
+                                              text_tensor(pb, "_state_seal", seal)]))
         for response in last[:-1]:
             sender.send(response)
         sender.send(last[-1], flags=FINAL)

@@ -1,5 +1,7 @@
 """text_input -> token ids of the user's text (the chat markers are added by prefill, which knows the history)."""
 
+import traceback
+
 import numpy as np
 import triton_python_backend_utils as pb
 
@@ -26,4 +28,7 @@ class TritonPythonModel:
                 responses.append(pb.InferenceResponse([pb.Tensor("_text_ids", ids)]))
             except ValueError as error:
                 responses.append(error_response(pb, str(error)))
+            except Exception as error:  # ours: logged in full; this request fails, the others of the batch do not
+                pb.Logger.log_error(f"tokenize failed: {traceback.format_exc()}")
+                responses.append(error_response(pb, f"tokenize failed: {type(error).__name__}: {error}", "INTERNAL"))
         return responses

@@ -1,0 +1,324 @@
+"""The HTTP guard and the supervisor without `mol2 serve`: bodies over the size limit get 413 and JSON nested over
+the depth limit 400 before anything reaches tritonserver; generate fields of the wrong type get 400 naming the
+field; everything else, streams included, passes through unchanged and unbuffered; readiness is 503 with its
+reason while tritonserver is down or the decode peer is unreachable; a server that dies is restarted and counted.
+tests/serving/test_serve_cli.py runs the same through a real `mol2 serve`."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from python_backend.guard import Guard, GuardLimits, Refusal, ServerState, check_generate, json_depth
+from python_backend.launcher import LaunchError
+from python_backend.supervisor import Peer, Supervisor
+
+CONFIG = {"name": "m", "max_batch_size": 0, "input": [
+    {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]},
+    {"name": "max_tokens", "data_type": "TYPE_INT32", "dims": [1], "optional": True},
+    {"name": "stream", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "top_p", "data_type": "TYPE_FP32", "dims": [1], "optional": True},
+    {"name": "seed", "data_type": "TYPE_UINT64", "dims": [1], "optional": True}]}
+
+
+def deep(depth: int) -> bytes:
+    return b'{"text_input": "x", "x": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+def test_json_depth_counts_brackets_outside_strings_only():
+    assert json_depth(b'{"a": 1}') == 1 and json_depth(b"[[[]], []]") == 3 and json_depth(b'"[[["') == 0
+    assert json_depth(br'{"a": "[[\"[[", "b": [[1]]}') == 3  # an escaped quote does not end the string
+    assert json_depth(br'{"a": "\\", "b": [[1]]}') == 3  # an escaped backslash does not escape the quote
+    assert json_depth(b"[" * 10) == 10  # unclosed: the depth a parser reaches before it fails
+    started = time.perf_counter()
+    assert json_depth(deep(300_000)) == 300_001
+    assert time.perf_counter() - started < 1.0
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"text_input": "hi", "max_tokens": "many"}, 'max_tokens must be an integer, got "many"'),
+    ({"text_input": "hi", "max_tokens": 3_000_000_000}, "max_tokens must be an integer from -2147483648 to "
+                                                         "2147483647 (INT32), got 3000000000"),
+    ({"text_input": "hi", "seed": -1}, "seed must be an integer from 0 to 18446744073709551615 (UINT64)"),
+    ({"text_input": "hi", "stream": 1}, "stream must be true or false, got 1"),
+    ({"text_input": 5}, "text_input must be a string, got 5"),
+    ({"text_input": "hi", "top_p": "high"}, 'top_p must be a number, got "high"'),
+    ({"text_input": "hi", "top_p": 1e39}, "top_p must be a finite number within FP32's range"),
+    ({"text_input": "hi", "max_tokens": [1, 2]}, "max_tokens must hold 1 value (dims [1]), got 2"),
+    ({"text_input": "hi", "max_tokens": None}, "max_tokens must be an integer, got null"),
+    ({"max_tokens": 4}, "text_input is required (an input of model m that is not optional)"),
+    ({"text_input": "hi", "extra": [1]}, "extra is not an input of model m (its inputs: text_input, max_tokens, "
+                                         "stream, top_p, seed); as a request parameter it must be a string"),
+    ({"text_input": "hi", "parameters": {"a": {}}}, "parameters.a must be a string, number or boolean"),
+    ([1], "a generate request must be a JSON object of model m's inputs, got an array"),
+])
+def test_generate_fields_of_the_wrong_type_are_named(body, message):
+    with pytest.raises(Refusal) as refused:
+        check_generate(body, "m", CONFIG)
+    assert refused.value.status == 400 and message in refused.value.message
+
+
+def test_generate_fields_that_fit_pass():
+    check_generate({"text_input": ["hi"], "max_tokens": [[4]], "stream": True, "top_p": 1, "seed": 2**64 - 1,
+                    "label": "x", "parameters": {"a": 1.5}}, "m", CONFIG)
+
+
+def fake_triton(hits: list, release: asyncio.Event) -> web.Application:
+    """What the guard sees of tritonserver: a config, a generate that echoes, an SSE stream that waits."""
+
+    async def config(request):
+        return web.json_response(CONFIG)
+
+    async def generate(request):
+        hits.append(request.path)
+        return web.json_response({"echo": await request.json(), "encoding": request.headers.get("Content-Encoding")},
+                                 headers={"X-Upstream": "yes"})
+
+    async def stream(request):
+        hits.append(request.path)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"n": 1}\n\n')
+        await release.wait()  # the client must have the first event before the stream goes on
+        await response.write(b'data: {"n": 2}\n\n')
+        return response
+
+    async def other(request):
+        hits.append(request.path)
+        return web.Response(status=400, text=f'{{"error": "upstream {request.method} {request.path_qs}"}}')
+
+    async def metrics(request):
+        return web.Response(text="nv_inference_count 3\n")
+
+    app = web.Application()
+    app.router.add_get("/v2/models/m/config", config)
+    app.router.add_post("/v2/models/m/generate", generate)
+    app.router.add_post("/v2/models/m/generate_stream", stream)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_route("*", "/{tail:.*}", other)
+    return app
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+async def guarded(limits=GuardLimits(max_body_bytes=1 << 20, max_json_depth=64)):
+    hits, release = [], asyncio.Event()
+    upstream = TestServer(fake_triton(hits, release))
+    await upstream.start_server()
+    state = ServerState(upstream=f"127.0.0.1:{upstream.port}", upstream_metrics=f"127.0.0.1:{upstream.port}")
+    guard = Guard(state, limits)
+    client = TestClient(TestServer(guard.app()))
+    await client.start_server()
+    metrics = TestClient(TestServer(guard.metrics_app()))
+    await metrics.start_server()
+    return client, metrics, upstream, state, hits, release
+
+
+def test_the_guard_refuses_what_would_hurt_and_passes_the_rest():
+    async def main():
+        client, metrics, upstream, state, hits, release = await guarded()
+        try:
+            answer = await client.post("/v2/models/m/generate", data=deep(300_000))
+            assert answer.status == 400
+            assert (await answer.json())["error"] == ("the request's JSON nests 300001 levels deep, over this "
+                                                      "server's limit of 64 (max_json_depth)")
+            answer = await client.post("/v2/models/anything/infer", data=b'{"inputs": ' + b"[" * 65 + b"]" * 65 + b"}")
+            assert answer.status == 400 and "nests 66 levels deep" in (await answer.json())["error"]
+            answer = await client.post("/v2/models/m/generate", data=b"x" * ((1 << 20) + 1))
+            assert answer.status == 413
+            assert (await answer.json())["error"] == ("the request body is 1,048,577 bytes, over this server's "
+                                                      "limit of 1,048,576 bytes (max_body_bytes)")
+
+            async def chunked():  # no Content-Length: stopped as it is read
+                for _ in range(40):
+                    yield b" " * 32768
+
+            answer = await client.post("/v2/models/m/generate", data=chunked())
+            assert answer.status == 413 and "over this server's limit of 1,048,576 bytes" in await answer.text()
+            bomb = gzip.compress(b'{"text_input": "x", "x": "' + b"a" * (2 << 20) + b'"}')  # 2 MB in ~2 KB
+            answer = await client.post("/v2/models/m/generate", data=bomb, headers={"Content-Encoding": "gzip"})
+            assert answer.status == 413
+            answer = await client.post("/v2/models/m/generate", data=b'{"text_input": "hi", "max_tokens": "many"}')
+            assert answer.status == 400 and (await answer.json()) == {"error": 'max_tokens must be an integer, got '
+                                                                               '"many"'}
+            answer = await client.post("/v2/models/m/generate", data=b'{"text_input": "hi",')
+            assert answer.status == 400 and "not valid JSON" in (await answer.json())["error"]
+            assert hits == []  # none of it reached tritonserver
+
+            body = {"text_input": "hi", "max_tokens": 4}
+            answer = await client.post("/v2/models/m/generate", data=gzip.compress(json.dumps(body).encode()),
+                                       headers={"Content-Encoding": "gzip"})
+            assert answer.status == 200 and answer.headers["X-Upstream"] == "yes"
+            assert await answer.json() == {"echo": body, "encoding": None}  # forwarded decompressed
+            answer = await client.get("/v2/models/m/other?x=a%20b")  # status, body and query as they are
+            assert answer.status == 400
+            assert await answer.text() == '{"error": "upstream GET /v2/models/m/other?x=a%20b"}'
+
+            answer = await client.post("/v2/models/m/generate_stream", data=json.dumps(body))
+            assert answer.headers["Content-Type"] == "text/event-stream"
+            first = await asyncio.wait_for(answer.content.readuntil(b"\n\n"), 10)  # before the stream has ended
+            release.set()
+            assert first == b'data: {"n": 1}\n\n' and await answer.content.read() == b'data: {"n": 2}\n\n'
+
+            text = await (await metrics.get("/metrics")).text()
+            assert "nv_inference_count 3\n" in text and "mol2_server_restarts_total 0\n" in text
+            assert 'mol2_guard_refused_total{reason="json_depth"} 2' in text
+            assert 'mol2_guard_refused_total{reason="body_size"} 3' in text
+            assert 'mol2_guard_refused_total{reason="field_type"} 1' in text
+        finally:
+            await client.close(), await metrics.close(), await upstream.close()
+
+    run(main())
+
+
+def test_a_body_that_does_not_decompress_is_a_400():
+    async def main():
+        client, metrics, upstream, state, hits, release = await guarded()
+        try:
+            answer = await client.post("/v2/models/m/generate", data=b"\x1f\x8bnot gzip",
+                                       headers={"Content-Encoding": "gzip"})
+            assert answer.status == 400 and (await answer.json())["error"] == (
+                "the request body could not be read: Can not decode content-encoding: gzip")
+            assert hits == []
+        finally:
+            await client.close(), await metrics.close(), await upstream.close()
+
+    run(main())
+
+
+def test_readiness_follows_tritonserver_and_the_status_says_why():
+    async def main():
+        client, metrics, upstream, state, hits, release = await guarded()
+        try:
+            assert (await client.get("/v2/health/ready")).status == 400  # up: Triton's own answer passes
+            state.upstream, state.restarts, state.last_exit = None, 1, "tritonserver killed by SIGSEGV"
+            answer = await client.get("/v2/health/ready")
+            assert answer.status == 503
+            assert (await answer.json())["error"] == "not ready: tritonserver is restarting (tritonserver killed by " \
+                                                     "SIGSEGV)"
+            answer = await client.post("/v2/models/m/generate", data=b'{"text_input": "hi"}')
+            assert answer.status == 503 and "retry shortly" in (await answer.json())["error"]
+            status = await (await client.get("/v2/status")).json()
+            assert status["ready"] is False and status["tritonserver"]["restarts"] == 1
+            assert "mol2_server_restarts_total 1\n" in await (await metrics.get("/metrics")).text()
+        finally:
+            await client.close(), await metrics.close(), await upstream.close()
+
+    run(main())
+
+
+# A stand-in for tritonserver: answers /v2/health/ready on the HTTP port it is given, until it is killed.
+FAKE_SERVER = """
+import http.server, sys
+class Ready(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Ready).serve_forever()
+"""
+
+
+def launch_fake(ports):
+    return subprocess.Popen([sys.executable, "-c", FAKE_SERVER, str(ports.http)], start_new_session=True)
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def until(condition, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+def test_a_server_that_dies_is_restarted_and_counted():
+    async def main():
+        state, stopping, ready = ServerState(), asyncio.Event(), asyncio.Event()
+        supervisor = Supervisor(state, launch_fake, grpc_port=0, first_backoff_s=0.1)
+        task = asyncio.create_task(supervisor.run(stopping, ready))
+        await asyncio.wait_for(ready.wait(), 60)
+        first = state.pid
+        os.kill(first, signal.SIGSEGV)
+        await until(lambda: state.restarts == 1 and state.upstream is not None and state.pid != first)
+        assert state.last_exit == "tritonserver killed by SIGSEGV" and state.generation == 2
+        with urllib.request.urlopen(f"http://{state.upstream}/v2/health/ready", timeout=5) as answer:
+            assert answer.status == 200  # the new one serves
+        process = supervisor.process
+        stopping.set()
+        await task
+        assert state.restarts == 1 and process.poll() is not None  # stopped, and a stop is not a crash
+
+    run(main())
+
+
+def test_a_first_start_that_fails_is_reported_not_retried():
+    async def main():
+        state = ServerState()
+        launch = lambda ports: subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"],  # noqa: E731
+                                                start_new_session=True)
+        with pytest.raises(LaunchError, match="exited with code 3 before it was ready"):
+            await Supervisor(state, launch, grpc_port=0).run(asyncio.Event(), asyncio.Event())
+        assert state.restarts == 0
+
+    run(main())
+
+
+def test_a_stop_during_the_first_start_is_prompt():
+    async def main():
+        stopping = asyncio.Event()
+        launch = lambda ports: subprocess.Popen(["sleep", "600"], start_new_session=True)  # noqa: E731 - never ready
+        supervisor = Supervisor(ServerState(), launch, grpc_port=0)
+        task = asyncio.create_task(supervisor.run(stopping, asyncio.Event()))
+        await asyncio.sleep(0.5)
+        started = time.monotonic()
+        stopping.set()
+        await asyncio.wait_for(task, 20)  # not the 300 s the ready wait allows
+        assert time.monotonic() - started < 15
+
+    run(main())
+
+
+def test_a_prefill_server_whose_decode_server_is_down_is_not_ready():
+    async def main():
+        state, stopping, ready = ServerState(role="prefill"), asyncio.Event(), asyncio.Event()
+        url = f"127.0.0.1:{closed_port()}"
+        supervisor = Supervisor(state, launch_fake, grpc_port=0, peers=(Peer(url, ("decode",)),), probe_every_s=0.2)
+        task = asyncio.create_task(supervisor.run(stopping, ready))
+        guard = TestClient(TestServer(Guard(state).app()))
+        await guard.start_server()
+        try:
+            await asyncio.wait_for(ready.wait(), 60)  # tritonserver is up ...
+            await until(lambda: "unreachable" in state.peer_problems.get(url, ""))
+            answer = await guard.get("/v2/health/ready")  # ... but a turn cannot be served
+            assert answer.status == 503
+            assert (await answer.json())["error"].startswith(f"not ready: the decode server at {url} is unreachable")
+            status = await (await guard.get("/v2/status")).json()
+            assert status["ready"] is False and status["peers"][url].startswith(f"the decode server at {url}")
+            answer = await guard.post("/v2/models/mol2/generate", data=b'{"text_input": "hi"}')
+            assert answer.status == 503 and "cannot serve a turn now: the decode server" in await answer.text()
+        finally:
+            stopping.set()
+            await task
+            await guard.close()
+
+    run(main())
