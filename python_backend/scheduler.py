@@ -320,10 +320,11 @@ class Scheduler:
             self._next(turn, row_logits)
 
     def _replayed_already(self, turn: Turn) -> bool:
-        """A prompt found whole in the cache with its adapter's windows current and the logits they gave: the
-        replay would rebuild exactly those windows, so it is skipped (an adapter reloaded since has another digest)."""
+        """A stateless prompt found whole in the cache with its adapter's windows current and the logits they gave:
+        the replay would rebuild exactly those windows, so it is skipped (an adapter reloaded since has another
+        digest). A conversation's turn always replays W, as the seed does (and says so in `replayed_tokens`)."""
         hit, row = turn.hit, turn.row
-        return (not turn.tokens and hit is not None and hit.logits is not None and hit.digest == turn.digest
+        return (turn.stateless and not turn.tokens and hit is not None and hit.logits is not None and hit.digest == turn.digest
                 and row.bound_adapter == turn.adapter and row.bound_length == row.length)
 
     def _decode_step(self) -> None:
