@@ -44,14 +44,12 @@ from typing import Callable
 
 import numpy as np
 
+from python_backend.guard import TRITON_PARSER_ERRORS
+
 from ._report import add_plot_option, markdown_table, plot_path, save_figure, write_json
 
 COLUMNS = ["category", "requests", "status_2xx", "status_4xx", "status_5xx", "crashes", "hangs", "state_changed",
            "status_5xx_triton"]
-# How tritonserver's own HTTP front end words a body it cannot map onto tensors (answered 500, upstream code): the
-# `status_5xx_triton` part of `status_5xx`. Every other 5xx is ours.
-TRITON_PARSER = ("Unable to parse", "failed to parse the request JSON buffer", "attempt to access JSON",
-                 "Expected JSON object for keyword", "HTTP end point doesn't support models with decoupled")
 ADAPTERS = ("chat", "coding", "base")  # served by the demo and by the test server
 PATHS = ("../../etc/passwd", "../../../../../../etc/shadow", "/etc/passwd", "..", ".", "./x", "a/../../b",
          "%2e%2e%2f%2e%2e%2fetc", "..\\..\\windows\\win.ini", "quarantine/x", ".server.lock", "x.lock", "x.state",
@@ -412,7 +410,8 @@ class Tally:
         self.row["requests"] += 1
         column = {"crash": "crashes", "hang": "hangs"}.get(answer.kind, f"status_{answer.kind}")
         self.row[column] += 1
-        upstream = answer.kind == "5xx" and any(answer.text.startswith(f'{{"error":"{p}') for p in TRITON_PARSER)
+        upstream = answer.kind == "5xx" and any(answer.text.startswith(f'{{"error":"{p}')
+                                                 for p in TRITON_PARSER_ERRORS)
         self.row["status_5xx_triton"] += upstream
         # a 2xx where every request must be refused is a failure too
         notable = answer.kind not in ("2xx", "4xx") or answer.kind == "2xx" and "bystander" in self.row["category"]
@@ -603,7 +602,7 @@ class ServedProcess:
 
     def start(self) -> None:
         mol2 = Path(sys.executable).parent / "mol2"
-        command = [str(mol2)] if mol2.exists() else [sys.executable, "-c", "from ced.cli import main; main()"]
+        command = [str(mol2)] if mol2.exists() else [sys.executable, "-m", "mol2_cli"]
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen([*command, "serve", *self.args], stdout=log, stderr=subprocess.STDOUT,
                                             env={**os.environ, **self.env}, start_new_session=True)

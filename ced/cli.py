@@ -1,9 +1,6 @@
-"""`mol2`: the project's command line.
+"""`mol2 chat`: a scripted multi-turn conversation that switches adapters, with the state accounting per turn.
 
-    mol2 chat      a scripted multi-turn conversation that switches adapters, with the state accounting per turn
-    mol2 serve     the Triton Inference Server: prefill -> MoL2 route -> decode, over HTTP and gRPC
-    mol2 repo build --adapter-set FILE   one more ensemble mol2_<set> for another adapter set
-    mol2 router    the MoL2 router: routing data, H19 extraction, training, evaluation, benchmarks
+The engine's only command; `mol2` itself (mol2_cli/) gathers every package's commands.
 """
 
 from __future__ import annotations
@@ -11,8 +8,6 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-
-import torch
 
 
 def chat(args: argparse.Namespace) -> None:
@@ -57,10 +52,8 @@ def chat(args: argparse.Namespace) -> None:
           f"W={config.window} positions; {engine.stats.prefilled_positions} positions prefilled in total.")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="mol2", description="Mixture-of-LoRA on causal encoder-decoder models.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("chat", help="run a scripted conversation that switches adapters",
+def register(commands, **options) -> None:
+    p = commands.add_parser("chat", **options,
                             description="Run a scripted multi-turn conversation that switches adapters and print, "
                                         "each turn, the adapter, the positions replayed and the state bytes.")
     p.add_argument("--turns", type=int, default=0, help="how many turns of the script (default: all)")
@@ -72,27 +65,3 @@ def main(argv: list[str] | None = None) -> None:
                    help="a demo folder (model/ + adapters/), or a new folder to build an untrained demo in; default: "
                         "models/demo if trained, else the untrained demo built under artifacts/demo-untrained")
     p.set_defaults(run=chat)
-    from python_backend.repo_build import add_parser as add_repo
-    from python_backend.serve_cli import add_parser as add_serve
-
-    add_serve(commands)
-    add_repo(commands)
-    from mol2_router.cli import add_router_commands  # `mol2 router ...` lives with the router package
-
-    add_router_commands(commands)
-    from mol2_router.data import RouteDataError
-    from python_backend.adapter_set import AdapterSetError
-    from python_backend.launcher import LaunchError
-
-    args = parser.parse_args(argv)
-    if getattr(args, "threads", None):
-        torch.set_num_threads(args.threads)
-    try:
-        args.run(args)
-    except (OSError, RouteDataError, AdapterSetError, LaunchError) as error:  # bad input, failed start: no traceback
-        command = " ".join(filter(None, ("mol2", args.command, getattr(args, "router_command", None))))
-        raise SystemExit(f"{command}: error: {error}") from None
-
-
-if __name__ == "__main__":
-    main()

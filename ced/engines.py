@@ -30,7 +30,7 @@ def ensure_onnx_engine(model_dir: str | Path, model: CEDForCausalLM | None = Non
     model = model or CEDForCausalLM.from_pretrained(str(model_dir))
     engine_dir = default_engine_dir(model, "onnx")
     if not (engine_dir / MANIFEST_FILE).is_file():
-        from engine_build.onnx_export import export_engine
+        from .onnx_export import export_engine
 
         scratch = engine_dir.with_name(f"{engine_dir.name}.tmp{os.getpid()}")
         export_engine(model_dir, scratch, progress=False)

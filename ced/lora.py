@@ -100,7 +100,7 @@ def lora_forward_reference(x: Tensor, base: nn.Linear, a: Tensor | None, b_scale
 def lora_by_row(y: Tensor, x: Tensor, a: Tensor, b_scaled: Tensor, slots: Tensor) -> Tensor:
     """y = base(x) (B, T, out) plus each row's own slot of stacked A (S, r, in) and B (S, out, r), slots (B,)
     (-1: none, that row left bit-exact). One gather per row and no branch on the data: what the exported graphs
-    compute (engine_build/onnx_stages.py), with A/B and the slots as graph inputs."""
+    compute (ced/onnx_stages.py), with A/B and the slots as graph inputs."""
     a, b = a[slots.clamp(min=0)], b_scaled[slots.clamp(min=0)]  # (B, r, in), (B, out, r)
     delta = torch.matmul(torch.matmul(x, a.transpose(1, 2)), b.transpose(1, 2))  # (B, T, out)
     return torch.where((slots >= 0)[:, None, None], y + delta, y)

@@ -10,7 +10,7 @@ the engine can run them separately:
 
 Both read and write conversation state only through a cache (`ced.state.AttentionCache`): the reference objects
 of one conversation (`run_shared` / `run_decoder`), the serving engine's paged pool of many (`ced.paged`), or the
-explicit state tensors of an exported graph (`ced.state.ExportCache`, traced by engine_build/onnx_stages.py).
+explicit state tensors of an exported graph (`ced.state.ExportCache`, traced by ced/onnx_stages.py).
 
 `forward(input_ids)` runs both over the whole sequence in chunks: it is the training path and the oracle.
 """

@@ -1,5 +1,5 @@
-"""`heterofold fit | eval | apply | serve`: fit a map for a direction, evaluate methods, continue text from a mapped
-cache, serve the maps through Triton."""
+"""`mol2 heterofold fit | eval | apply | serve` (or `heterofold ...`): fit a map for a direction, evaluate methods,
+continue text from a mapped cache, serve the maps through Triton."""
 from __future__ import annotations
 
 import argparse
@@ -40,8 +40,11 @@ def cmd_fit(args) -> None:
 
 
 def cmd_eval(args) -> None:
-    from benchmarks.heterofold_eval import main as bench_main
+    """`mol2 bench heterofold_eval` on one direction. By module name, as `python -m benchmarks.heterofold_eval` runs
+    it: the benchmarks sit above heterofold and import it."""
+    import importlib
 
+    bench_main = importlib.import_module("benchmarks.heterofold_eval").main
     argv = ["--directions", f"{args.sender}:{args.receiver}", "--split", args.split, "--root", args.root]
     argv += ["--quick"] if args.quick else []
     for flag, value in (("--json", args.json), ("--plot", args.plot), ("--methods", args.methods),
@@ -100,8 +103,8 @@ def _positive(text: str) -> int:
     return int(text)
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="heterofold", description=__doc__)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options and subcommands, on `heterofold`'s own parser or on `mol2 heterofold`'s."""
     p.add_argument("--root", default=str(ROOT), help="artifact folder (zoo, corpus, maps)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--zoo-steps", type=_positive, default=None,
@@ -151,14 +154,29 @@ def main(argv=None) -> None:
     sv.add_argument("--ready-only", action="store_true", help="exit once the server answers ready (smoke test)")
     sv.set_defaults(fn=cmd_serve)
 
-    args = p.parse_args(argv)
+
+def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if getattr(args, "sender", None) is not None and args.sender == args.receiver:
         p.error(f"--sender and --receiver are both {args.sender}: a map transfers a cache between two families")
     torch.set_num_threads(args.threads)
     try:
         args.fn(args)
     except (OSError, ValueError, LaunchError) as error:  # missing, mismatched, damaged or too-short input
-        raise SystemExit(f"heterofold {args.cmd}: error: {error}") from None
+        raise SystemExit(f"{p.prog} {args.cmd}: error: {error}") from None
+
+
+def register(commands, **options) -> None:
+    """`mol2 heterofold ...`."""
+    p = commands.add_parser("heterofold", **options, description=__doc__)
+    add_arguments(p)
+    p.set_defaults(run=lambda args: run(p, args))
+
+
+def main(argv=None) -> None:
+    """The `heterofold` console script: `mol2 heterofold` under its own name."""
+    p = argparse.ArgumentParser(prog="heterofold", description=__doc__)
+    add_arguments(p)
+    run(p, p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -74,11 +74,19 @@ def cmd_train(args) -> None:
 
     rows = train_runs(_demo(args), args.data, args.kind, args.modes, args.seeds, args.epochs, args.preset,
                       args.batch_size, limits=_limits(args.limit))
-    from benchmarks._report import markdown_table
-
     columns = ["kind", "mode", "seed", "best_epoch", "last:generic.test", "last:domain.bench", "best:generic.test",
                "best:domain.bench", "train_s"]
     print(markdown_table(rows, columns))
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    """benchmarks/_report.py's table, for the router's own commands: the benchmarks sit above the router."""
+    def cell(value) -> str:
+        return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row[c]) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -95,8 +103,6 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def cmd_eval(args) -> None:
-    from benchmarks._report import markdown_table
-
     from .pipeline import evaluate_run, run_dir
 
     if Path(args.data).is_file():
@@ -133,16 +139,18 @@ def cmd_export(args) -> None:
 
 
 def cmd_bench(args) -> None:
+    """`mol2 bench router_NAME ...` under its router name. By module name, as `python -m benchmarks.NAME` runs it:
+    the benchmarks sit above the router and import it."""
     import importlib
 
     module = {"latency": "router_latency", "accuracy": "router_accuracy", "scaling": "router_data_scaling"}[args.which]
     importlib.import_module(f"benchmarks.{module}").main(args.rest)
 
 
-def add_router_commands(commands) -> None:
-    """Register `router` and its subcommands on a parent subparsers object (ced.cli's)."""
-    p = commands.add_parser("router", help="the MoL2 router: data, H19 extraction, training, evaluation, benchmarks",
-                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def register(commands, **options) -> None:
+    """`mol2 router` and its subcommands."""
+    p = commands.add_parser("router", **options, description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="router_command", required=True)
 
     def common(q, data=True):
@@ -207,15 +215,3 @@ def add_router_commands(commands) -> None:
     q.add_argument("--threads", type=int, default=1)
     q.set_defaults(run=cmd_bench)
 
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m mol2_router.cli ARGS` is `mol2 router ARGS`."""
-    import sys
-
-    from ced.cli import main as mol2_main
-
-    mol2_main(["router", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    main()

@@ -30,7 +30,8 @@ from .adapter_set import sync_registry
 from .serving import Served
 from .stages import BASE_NAME, DecodeStage, RequestError, RouterStage
 from .store import check_id
-from .triton_io import as_scalar, as_text, error_response, json_tensor, optional, required, text_tensor
+from .triton_io import (as_scalar, as_text, error_response, json_tensor, optional, required, requested_outputs, response,
+                        text_tensor)
 
 
 class EngineModel:
@@ -57,6 +58,7 @@ class EngineModel:
     def finalize(self) -> None:
         if self.scheduler is not None:
             self.scheduler.stop()
+        self.counters.close()
 
     def _sync_adapters(self) -> list[str]:
         """On the thread that runs the engine, between steps: bring the registry to the set `execute` last read."""
@@ -115,8 +117,8 @@ class EngineModel:
         conversation_id = "" if prompt is not None else check_id(given) if given else uuid.uuid4().hex
         if given and not self.served.store.exists(conversation_id):
             raise RequestError(f"unknown conversation_id {given!r} (ended, expired or never started)")
-        turn = Turn(conversation_id, text_ids, self._router_for(adapter_set, explicit),
-                    ResponseSink(self, sender, bool(get("stream", bool, False))), max_tokens, sampling,
+        sink = ResponseSink(self, sender, bool(get("stream", bool, False)), requested_outputs(request))
+        turn = Turn(conversation_id, text_ids, self._router_for(adapter_set, explicit), sink, max_tokens, sampling,
                     bool(get("ignore_eos", bool, False)), bool(get("end_conversation", bool, False)),
                     explicit=bool(explicit), new=not given and prompt is None, prompt=prompt,
                     route_start=route_start)
@@ -162,8 +164,8 @@ def engine_setting(parameters: dict[str, str], name: str, default: int) -> int:
 class ResponseSink:
     """Sends a turn's responses: one per token when streaming (the text each adds), else one at the end."""
 
-    def __init__(self, model: EngineModel, sender, stream: bool):
-        self.model, self.sender, self.stream = model, sender, stream
+    def __init__(self, model: EngineModel, sender, stream: bool, wanted: frozenset[str]):
+        self.model, self.sender, self.stream, self.wanted = model, sender, stream, wanted
         self.decode = model.served.tokenizer.decode
 
     def _send(self, turn: Turn, fresh: int, last: bool, flags: int = 0) -> None:
@@ -177,14 +179,14 @@ class ResponseSink:
 
         def send():
             text = text_delta(self.decode, ids, fresh, last)
-            self.sender.send(pb.InferenceResponse([
+            self.sender.send(response(pb, [
                 text_tensor(pb, "text_output", text), text_tensor(pb, "applied_adapter", adapter),
                 pb.Tensor("replayed_tokens", np.array([replayed], dtype=np.int32)),
                 pb.Tensor("output_tokens", np.array([count], dtype=np.int32)),
                 json_tensor(pb, "route_scores", scores), text_tensor(pb, "conversation_id_out", conversation_id),
                 pb.Tensor("prompt_tokens", np.array([prompt_tokens], dtype=np.int32)),
                 pb.Tensor("cached_tokens", np.array([cached], dtype=np.int32)),
-                text_tensor(pb, "finish_reason", finish)]),
+                text_tensor(pb, "finish_reason", finish)], self.wanted),
                 flags=flags)
         self.model.responder.put(send)
 

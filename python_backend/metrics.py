@@ -33,3 +33,9 @@ class Counters:
         if key not in self._metrics:
             self._metrics[key] = self._families[name].Metric(labels={"stage": self.stage, "adapter": adapter})
         self._metrics[key].increment(value)
+
+    def close(self) -> None:
+        """Drop the metrics while the model's process can still tell Triton (from `finalize`). One freed later, as
+        the interpreter exits, finds the process's shared memory gone and crashes it: a segfault at every stop."""
+        self._metrics.clear()
+        self._families.clear()

@@ -69,18 +69,3 @@ def build(adapter_set: Path, repository: Path = TEMPLATES, name: str | None = No
     (target / "config.pbtxt").write_text(ensemble)
     written.append(target.name)
     return written
-
-
-def add_parser(commands) -> None:
-    repo = commands.add_parser("repo", help="build the Triton model repository").add_subparsers(dest="repo_command",
-                                                                                               required=True)
-    parser = repo.add_parser("build", help="add an ensemble mol2_<set> for an adapter-set file",
-                             description="Generate router_<set>, decode_<set> and the ensemble mol2_<set> for an "
-                                         "adapter-set JSON file (name, path, description per adapter; route_prompt).")
-    parser.add_argument("--adapter-set", required=True, type=Path, help="the adapter-set JSON file")
-    parser.add_argument("--name", help="the set's name (default: from the file name)")
-    parser.add_argument("--repository", type=Path, default=TEMPLATES, help="model repository to write into")
-    parser.add_argument("--router-dir", type=Path, help="the set's router head (default: a router/ folder beside "
-                                                        "the set's file, else the served model's head)")
-    parser.set_defaults(run=lambda args: print("wrote", ", ".join(build(args.adapter_set, args.repository,
-                                                                        args.name, args.router_dir))))

@@ -12,10 +12,10 @@ import re
 import shutil
 from pathlib import Path
 
-from .serving import ROOT
-
 ROLES = ("all", "prefill", "decode")
-RELAY_MODEL = ROOT / "python_backend" / "templates" / "relay_model.py"
+# not from serving.ROOT: serving imports torch, and `mol2 serve --help` reads ROLES and PAIR_SECRET from here
+RELAY_MODEL = Path(__file__).resolve().parent / "templates" / "relay_model.py"
+PAIR_SECRET = Path(__file__).resolve().parents[1] / "artifacts" / "triton" / "pair.secret"  # a pair on one checkout
 _ENGINE_STEP = re.compile(r'model_name: "engine([a-z0-9_]*)"')
 
 

@@ -13,19 +13,14 @@ import socket
 import time
 from pathlib import Path
 
-from ced.engines import ENGINE_KINDS
-
 from . import limits
 from .guard import Guard, GuardLimits, ServerState, serve_guard
 from .launcher import LaunchError, Ports, port_in_use, start
-from .roles import ROLES, build_prefill_repository, decode_models, single_server_models
+from .roles import PAIR_SECRET, build_prefill_repository, decode_models, single_server_models
 from .seal import SECRET_VARIABLE, SealError, create_secret_file
 from .serving import ROOT, demo_model_dir, write_demo_adapter_set
 from .store import StoreHold, StoreInUse, hold_store
 from .supervisor import Peer, Supervisor
-
-PAIR_SECRET = ROOT / "artifacts" / "triton" / "pair.secret"
-
 
 def prepare_demo() -> Path:
     """The served model: the trained demo if built, else the untrained one (built on first use)."""
@@ -42,54 +37,6 @@ def example_request(ports: Ports) -> str:
     body = json.dumps({"text_input": "Write a Python function that reverses a list.", "max_tokens": 32,
                        "adapter": "coding", "stream": True})
     return f"curl -sN -X POST http://{ports.http_url}/v2/models/mol2/generate_stream -d '{body}'"
-
-
-def add_parser(commands) -> None:
-    parser = commands.add_parser("serve", help="start the Triton server (prefill -> route -> decode)",
-                                 description="Start tritonserver on model_repository/ (loopback by default), wait "
-                                             "until it is ready, print the endpoints; Ctrl-C or SIGTERM stops it.")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
-    parser.add_argument("--http-port", type=int, default=8000)
-    parser.add_argument("--grpc-port", type=int, default=8001)
-    parser.add_argument("--metrics-port", type=int, default=8002)
-    parser.add_argument("--model-repository", default=str(ROOT / "model_repository"))
-    parser.add_argument("--log", default=str(ROOT / "artifacts/logs/tritonserver.log"), help="server log file")
-    parser.add_argument("--role", choices=ROLES, default="all",
-                        help="all: one server does everything (default). Disaggregated: 'decode' serves only the "
-                             "decode models; 'prefill' tokenizes, prefills, routes and relays each turn to the "
-                             "decode server (--decode-url), keeping the conversation store")
-    parser.add_argument("--decode-url", help="with --role prefill: the decode server's gRPC endpoint, HOST:PORT")
-    parser.add_argument("--engine", choices=ENGINE_KINDS, default="torch",
-                        help="what runs the CED stages: the PyTorch engine, the exported ONNX graphs under ONNX "
-                             "Runtime (exported on first use), or TensorRT engines (GPU; --engine-dir)")
-    parser.add_argument("--engine-dir", help="a built engine folder (python -m engine_build onnx | tensorrt)")
-    parser.add_argument("--secret-file", help="the secret that seals the internal stages' inputs (created 0600 if "
-                                              "missing); both servers of a disaggregated pair need the same file "
-                                              f"(default for --role prefill/decode: {PAIR_SECRET.relative_to(ROOT)}; "
-                                              "otherwise a fresh one per start)")
-    parser.add_argument("--store", default=os.environ.get("MOL2_STORE_DIR") or str(ROOT / "artifacts/conversations"),
-                        help="the conversation store (default artifacts/conversations); one live server per store: a "
-                             "second one is refused, naming the first")
-    parser.add_argument("--max-prompt-tokens", type=int,
-                        help="longest prompt of one request, in tokens (default "
-                             f"{limits.DEFAULTS['max_prompt_tokens']:,})")
-    parser.add_argument("--max-conversations", type=int,
-                        help=f"conversations the store keeps; a new one over it is refused (default "
-                             f"{limits.DEFAULTS['max_conversations']:,}; 0: no limit)")
-    parser.add_argument("--max-store-bytes", help="bytes the store keeps, e.g. 8G; a new conversation over it is "
-                                                  "refused (default 8G; 0: no limit)")
-    parser.add_argument("--idle-timeout-s", type=float, help="a conversation idle this long ends (default 3600)")
-    parser.add_argument("--max-body-bytes", type=limits.parse_size, default=GuardLimits.max_body_bytes,
-                        help="largest HTTP request body; larger ones get 413 (default 4M)")
-    parser.add_argument("--max-json-depth", type=int, default=GuardLimits.max_json_depth,
-                        help="deepest JSON nesting of an HTTP request; deeper ones get 400 (default 64)")
-    parser.add_argument("--openai-port", type=int, default=9000,
-                        help="port of the OpenAI-compatible API (/v1/chat/completions, /v1/models, ...) on --host, "
-                             "started once tritonserver is ready (default 9000; 0: off; --role all only)")
-    parser.add_argument("--adapters-root", help="the folder a /v1/load_lora_adapter lora_path must lie in (default: "
-                                                "adapters/ beside the adapter set)")
-    parser.add_argument("--ready-only", action="store_true", help="exit once the server answers ready (smoke test)")
-    parser.set_defaults(run=serve)
 
 
 def role_repository(args: argparse.Namespace) -> tuple[Path, list[str]]:
@@ -169,6 +116,9 @@ def hold(args: argparse.Namespace, public: Ports) -> StoreHold | None:
 
 
 def serve(args: argparse.Namespace) -> None:
+    """`mol2 serve` (its options: python_backend/cli.py)."""
+    args.max_body_bytes = GuardLimits.max_body_bytes if args.max_body_bytes is None else args.max_body_bytes
+    args.max_json_depth = GuardLimits.max_json_depth if args.max_json_depth is None else args.max_json_depth
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     public = Ports(args.http_port, args.grpc_port, args.metrics_port, args.host)
     busy = [port for port in (public.http, public.grpc, public.metrics) if port_in_use(public.host, port)]

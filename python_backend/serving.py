@@ -8,6 +8,7 @@ python_backend/limits.py's defaults. Relative paths are relative to the project 
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 from dataclasses import dataclass
@@ -109,6 +110,7 @@ class Served:
 
     @classmethod
     def open(cls, settings: ServingSettings, with_adapters: bool = True) -> "Served":
+        faulthandler.enable(all_threads=True)  # a model process that crashes leaves its Python stacks in the log
         torch.set_num_threads(settings.threads)
         engine = make_engine(settings.engine, settings.model_dir, settings.max_adapters, settings.max_rank,
                              settings.engine_dir, settings.threads)

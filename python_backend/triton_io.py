@@ -44,6 +44,20 @@ def json_tensor(pb, name: str, value) -> object:
     return text_tensor(pb, name, json.dumps(value, sort_keys=True))
 
 
+def requested_outputs(request) -> frozenset[str]:
+    """The outputs a request asked for (all of the model's when it named none)."""
+    return frozenset(request.requested_output_names())
+
+
+def response(pb, tensors: list, wanted: frozenset[str]):
+    """A response that holds only the outputs its request asked for. A decoupled model must never send others:
+    Triton's Python backend (24.10) drops them inside `send` after it has released the GIL, so their numpy arrays
+    are freed without it, and that corrupts the heap while another thread runs Python (the engine's scheduler).
+    The soak found it: the engine's process died with a segfault every few minutes behind the `mol2` ensemble, which
+    asks the engine for 6 of its 9 outputs. Tensors dropped here are freed by Python, with the GIL held."""
+    return pb.InferenceResponse([tensor for tensor in tensors if tensor.name() in wanted])
+
+
 def error_response(pb, message: str, code: str = "INVALID_ARG"):
     """A response that carries only an error. `code` is a TritonError code: INVALID_ARG (HTTP 400) for a bad
     request, the default; INTERNAL (500) for a failure on the server's side."""

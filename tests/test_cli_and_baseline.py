@@ -5,7 +5,7 @@ import torch
 
 from ced import CEDEngine
 from ced.baseline import BaselineConversation, EveryLayerBaseline
-from ced.cli import main
+from mol2_cli import main
 
 
 def test_chat_demo_prints_replay_and_bytes(tmp_path, capsys):

@@ -269,7 +269,7 @@ def test_tokenizer_training_is_deterministic(roots, tmp_path, small_tokenizer):
 
 
 def test_build_commands_refuse_a_folder_without_their_input(tmp_path, capsys):
-    from engine_build.__main__ import main
+    from engine_build.cli import main
 
     empty, corpus = tmp_path / "empty", tmp_path / "corpus"
     empty.mkdir()

@@ -11,7 +11,7 @@ import torch
 
 from ced import CEDConfig, CEDEngine, CEDForCausalLM
 from ced.ort_engine import OrtCEDEngine
-from engine_build.onnx_export import export_engine
+from ced.onnx_export import export_engine
 
 # Max |ORT - torch| allowed. Both run float32; the graphs reorder a few reductions (measured: ~3e-7 on tiny,
 # ~4e-5 on the demo, whose logits reach ~20).

@@ -11,7 +11,7 @@ from ced import CEDConfig, CEDForCausalLM
 from ced.engine_files import MANIFEST_FILE, STAGES, EngineFileError, config_fingerprint, weights_fingerprint
 from ced.engines import make_engine
 from ced.ort_engine import OrtCEDEngine
-from engine_build.onnx_export import OPSET, export_engine
+from ced.onnx_export import OPSET, export_engine
 
 
 @pytest.fixture(scope="module")

@@ -30,8 +30,8 @@ def tokens(seed: int, length: int) -> list[int]:
 
 
 def build(root: Path, model_dir: Path, precision: str) -> Path:
-    from engine_build.onnx_export import export_engine
-    from engine_build.tensorrt_build import build_engines
+    from ced.onnx_export import export_engine
+    from ced.tensorrt_build import build_engines
 
     if not (root / "onnx/engine.json").is_file():
         export_engine(model_dir, root / "onnx", progress=False)

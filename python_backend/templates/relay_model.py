@@ -13,7 +13,7 @@ from ced.model import CEDForCausalLM
 from python_backend.front import PASSED_ON, Relay, bls_call
 from python_backend.seal import Sealer
 from python_backend.serving import ServingSettings, triton_parameters
-from python_backend.triton_io import error_response
+from python_backend.triton_io import error_response, requested_outputs, response
 
 FINAL = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 FIELDS = ("text_input", "conversation_id", "adapter", *PASSED_ON)
@@ -37,15 +37,15 @@ class TritonPythonModel:
                 tensor = pb.get_input_tensor_by_name(request, name)
                 if tensor is not None:
                     fields[name] = tensor.as_numpy()
-            self.pool.submit(self._serve, fields, request.get_response_sender())
+            self.pool.submit(self._serve, fields, request.get_response_sender(), requested_outputs(request))
 
-    def _serve(self, fields, sender):
+    def _serve(self, fields, sender, wanted):
         def send(outputs, final):
             flags = FINAL if final else 0
             if outputs is None:
                 sender.send(flags=flags)
             else:
-                sender.send(pb.InferenceResponse([pb.Tensor(name, value) for name, value in outputs.items()]),
+                sender.send(response(pb, [pb.Tensor(name, value) for name, value in outputs.items()], wanted),
                             flags=flags)
 
         try:

@@ -102,11 +102,20 @@ def fake_triton(hits: list, release: asyncio.Event) -> web.Application:
     async def metrics(request):
         return web.Response(text="nv_inference_count 3\n")
 
+    async def parser_500(request):  # tritonserver's words for a body it cannot parse, with its (wrong) status
+        return web.Response(status=500, text='{"error":"Unable to parse \'parameters\': expected JSON object"}',
+                            content_type="application/json")
+
+    async def real_500(request):
+        return web.Response(status=500, text='{"error":"the model crashed"}', content_type="application/json")
+
     app = web.Application()
     app.router.add_get("/v2/models/m/config", config)
     app.router.add_post("/v2/models/m/generate", generate)
     app.router.add_post("/v2/models/m/generate_stream", stream)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v2/models/m/infer", parser_500)
+    app.router.add_post("/v2/models/crashing/infer", real_500)
     app.router.add_route("*", "/{tail:.*}", other)
     return app
 
@@ -179,6 +188,21 @@ def test_the_guard_refuses_what_would_hurt_and_passes_the_rest():
             assert 'mol2_guard_refused_total{reason="json_depth"} 2' in text
             assert 'mol2_guard_refused_total{reason="body_size"} 3' in text
             assert 'mol2_guard_refused_total{reason="field_type"} 1' in text
+        finally:
+            await client.close(), await metrics.close(), await upstream.close()
+
+    run(main())
+
+
+def test_tritonservers_500_for_a_body_it_cannot_parse_reaches_the_client_as_400():
+    async def main():
+        client, metrics, upstream, state, hits, release = await guarded()
+        try:
+            answer = await client.post("/v2/models/m/infer", data=b'{"inputs": [], "parameters": [1]}')
+            assert answer.status == 400
+            assert await answer.json() == {"error": "Unable to parse 'parameters': expected JSON object"}
+            answer = await client.post("/v2/models/crashing/infer", data=b'{"inputs": []}')
+            assert answer.status == 500 and await answer.json() == {"error": "the model crashed"}  # not the client's
         finally:
             await client.close(), await metrics.close(), await upstream.close()
 

@@ -22,7 +22,7 @@ from python_backend.launcher import Ports
 
 def mol2_command() -> list[str]:
     script = Path(sys.executable).parent / "mol2"
-    return [str(script)] if script.is_file() else [sys.executable, "-c", "from ced.cli import main; main()"]
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "mol2_cli"]
 
 
 def request(url: str, body: dict | None = None, timeout: float = 120.0) -> tuple[int, dict | str]:

@@ -84,6 +84,31 @@ def test_grpc_streaming(server):
     assert received >= 1
 
 
+def test_a_decoupled_model_sends_only_the_outputs_asked_for(server):
+    """The engine builds every output but sends only those requested: Triton's Python backend would drop the rest
+    inside `send` without the GIL, which corrupted the engine's heap under load (python_backend/triton_io.py)."""
+    responses: queue.Queue = queue.Queue()
+    stream = grpcclient.InferenceServerClient(server.grpc_url)
+    stream.start_stream(callback=partial(lambda q, result, error: q.put((result, error)), responses))
+    inputs = [grpcclient.InferInput("prompt", [1], "BYTES"), grpcclient.InferInput("stream", [1], "BOOL"),
+              grpcclient.InferInput("max_tokens", [1], "INT32")]
+    inputs[0].set_data_from_numpy(np.array([b"only these"], dtype=object))
+    inputs[1].set_data_from_numpy(np.array([True]))
+    inputs[2].set_data_from_numpy(np.array([3], dtype=np.int32))
+    wanted = ["text_output", "finish_reason"]
+    stream.async_stream_infer("engine", inputs, outputs=[grpcclient.InferRequestedOutput(name) for name in wanted],
+                              enable_empty_final_response=True)
+    names, final = [], False
+    while not final:  # streamed: one response per token, then the last with FINAL
+        result, error = responses.get(timeout=120)
+        assert error is None, error
+        response = result.get_response()
+        final = response.parameters["triton_final_response"].bool_param
+        names.append(sorted(output.name for output in response.outputs))
+    stream.stop_stream()
+    assert len(names) >= 2 and names == [sorted(wanted)] * len(names), names
+
+
 def stream_events(ports, model="mol2", **fields) -> list[dict]:
     """The server-sent events of one generate_stream request."""
     request = urllib.request.Request(f"http://{ports.http_url}/v2/models/{model}/generate_stream", method="POST",

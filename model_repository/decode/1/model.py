@@ -19,7 +19,8 @@ from python_backend.metrics import Counters
 from python_backend.seal import DECODE, RETURNED, Sealer, decode_fields, returned_fields
 from python_backend.serving import Served, ServingSettings, triton_parameters
 from python_backend.stages import DecodeRequest, DecodeStage, TransferMeta
-from python_backend.triton_io import as_scalar, as_text, error_response, optional, required, text_tensor
+from python_backend.triton_io import (as_scalar, as_text, error_response, optional, required, requested_outputs,
+                                     response, text_tensor)
 
 FINAL = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -52,15 +53,15 @@ class TritonPythonModel:
         return decode_request, bool(get("stream", bool, False)), as_text(optional(pb, request, "_route_scores"),
                                                                           "_route_scores") or "{}"
 
-    def _response(self, ids, fresh, last, adapter, replayed, scores, conversation_id):
+    def _response(self, ids, fresh, last, adapter, replayed, scores, conversation_id, wanted):
         """The newest `fresh` ids (after a few earlier ones, for detokenize) and the turn's metadata."""
-        return pb.InferenceResponse([pb.Tensor("_ids", np.array(window(ids, fresh), dtype=np.int64)),
-                                     pb.Tensor("_fresh", np.array([fresh], dtype=np.int32)),
-                                     pb.Tensor("_last", np.array([last])), text_tensor(pb, "applied_adapter", adapter),
-                                     pb.Tensor("replayed_tokens", np.array([replayed], dtype=np.int32)),
-                                     pb.Tensor("output_tokens", np.array([len(ids)], dtype=np.int32)),
-                                     text_tensor(pb, "route_scores", scores),
-                                     text_tensor(pb, "conversation_id_out", conversation_id)])
+        return response(pb, [pb.Tensor("_ids", np.array(window(ids, fresh), dtype=np.int64)),
+                             pb.Tensor("_fresh", np.array([fresh], dtype=np.int32)),
+                             pb.Tensor("_last", np.array([last])), text_tensor(pb, "applied_adapter", adapter),
+                             pb.Tensor("replayed_tokens", np.array([replayed], dtype=np.int32)),
+                             pb.Tensor("output_tokens", np.array([len(ids)], dtype=np.int32)),
+                             text_tensor(pb, "route_scores", scores),
+                             text_tensor(pb, "conversation_id_out", conversation_id)], wanted)
 
     def execute(self, requests):
         changes = self.served.refresh()  # live configuration: the adapter-set file changed
@@ -78,7 +79,7 @@ class TritonPythonModel:
                 sender.send(error_response(pb, str(error)), flags=FINAL)
                 continue
             try:
-                self._serve(*parsed, sender)
+                self._serve(*parsed, sender, requested_outputs(request))
             except ValueError as error:
                 self._end_turn_here(decode_request)  # idempotent: the stage may have ended it already
                 sender.send(error_response(pb, str(error)), flags=FINAL)
@@ -88,18 +89,21 @@ class TritonPythonModel:
                 sender.send(error_response(pb, f"decode failed: {type(error).__name__}: {error}", "INTERNAL"),
                             flags=FINAL)
 
+    def finalize(self):
+        self.counters.close()
+
     def _end_turn_here(self, decode_request: DecodeRequest) -> None:
         """A sealed turn refused here ends here, unless a disaggregated prefill server holds its lock (it ends it
         there)."""
         if not decode_request.return_state:
             self.served.store.end_turn(decode_request.conversation_id)
 
-    def _serve(self, decode_request: DecodeRequest, stream: bool, scores: str, sender):
+    def _serve(self, decode_request: DecodeRequest, stream: bool, scores: str, sender, wanted: frozenset[str]):
         self.counters.add("mol2_routes_read", str(decode_request.meta.adapter_hash))
         adapter = self.stage.adapter_for(self.served.watcher.current, decode_request.meta.adapter_hash) or "base"
         ids, replayed = [], 0
         respond = lambda fresh, last: self._response(ids, fresh, last, adapter, replayed, scores,  # noqa: E731
-                                                     decode_request.conversation_id)
+                                                     decode_request.conversation_id, wanted)
         tokens = self.stage.run(self.served.watcher.current, decode_request)
         for token, replayed in tokens:
             if sender.is_cancelled():  # the client went away: stop now; the turn is dropped, nothing is stored
@@ -118,8 +122,8 @@ class TritonPythonModel:
         if decode_request.return_state:
             state, conversation_id = decode_request.final_state, decode_request.conversation_id
             seal = self.sealer.seal(RETURNED, **returned_fields(conversation_id, state))
-            last.append(pb.InferenceResponse([pb.Tensor("_state_out", np.frombuffer(state, dtype=np.uint8)),
-                                              text_tensor(pb, "_state_seal", seal)]))
-        for response in last[:-1]:
-            sender.send(response)
+            last.append(response(pb, [pb.Tensor("_state_out", np.frombuffer(state, dtype=np.uint8)),
+                                      text_tensor(pb, "_state_seal", seal)], wanted))
+        for earlier in last[:-1]:
+            sender.send(earlier)
         sender.send(last[-1], flags=FINAL)

@@ -37,6 +37,9 @@ class TritonPythonModel:
                 responses.append(error_response(pb, f"router failed: {type(error).__name__}: {error}", "INTERNAL"))
         return responses
 
+    def finalize(self):
+        self.counters.close()
+
     def _route(self, request):
         route_only = as_scalar(optional(pb, request, "_route_only"), "_route_only", bool, False)
         meta = TransferMeta.from_tensor(required(pb, request, "_transfer_meta").reshape(-1))

@@ -1,6 +1,6 @@
 """Export the CED stages of a model folder as ONNX graphs with dynamic lengths, plus the engine manifest.
 
-    python -m engine_build onnx --model models/demo/model --out artifacts/engines/demo-onnx
+    mol2 build onnx --model models/demo/model --out artifacts/engines/demo-onnx
 
 Three graphs (see `onnx_stages.py` for what each computes):
 
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from ced.engine_files import FORMAT, config_fingerprint, weights_fingerprint, write_manifest
-from ced.model import CEDForCausalLM
+from .engine_files import FORMAT, config_fingerprint, weights_fingerprint, write_manifest
+from .model import CEDForCausalLM
 
 from .onnx_stages import DecoderStage, PrefillStage, io_names, lora_modules
 

@@ -1,6 +1,6 @@
-"""Build TensorRT engines (plans) from the ONNX graphs of `python -m engine_build onnx`. GPU machine only.
+"""Build TensorRT engines (plans) from the ONNX graphs of `mol2 build onnx`. GPU machine only.
 
-    python -m engine_build tensorrt --onnx artifacts/engines/demo-onnx --out artifacts/engines/demo-trt --precision fp16
+    mol2 build tensorrt --onnx artifacts/engines/demo-onnx --out artifacts/engines/demo-trt --precision fp16
 
 Every graph is parsed by TensorRT's own ONNX parser: the stages use standard ops only (MatMul, Softmax, TopK,
 Gather, Where, Concat, Slice, ...), so no plugin is needed (plugins/README.md says why). Each dynamic axis the
@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ced.config import CEDConfig
-from ced.engine_files import STAGES, read_manifest, write_manifest
+from .config import CEDConfig
+from .engine_files import STAGES, read_manifest, write_manifest
 
 PRECISIONS = ("fp16", "bf16", "fp32")
 
@@ -61,7 +61,7 @@ def build_engines(onnx_dir: str | Path, out_dir: str | Path, precision: str = "f
                   max_adapters: int = 8, max_rank: int = 16, workspace_gib: float = 8.0) -> dict:
     import onnx
 
-    from ced.trt_engine import require_tensorrt
+    from .trt_engine import require_tensorrt
 
     require_tensorrt()  # the builder needs the package and a GPU: say so before reading anything
     import tensorrt as trt

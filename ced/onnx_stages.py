@@ -18,10 +18,10 @@ import copy
 import torch
 from torch import Tensor, nn
 
-from ced.adapters import placement_violation
-from ced.lora import lora_by_row, replace_linears
-from ced.model import CEDForCausalLM
-from ced.state import ExportCache, Selection
+from .adapters import placement_violation
+from .lora import lora_by_row, replace_linears
+from .model import CEDForCausalLM
+from .state import ExportCache, Selection
 
 
 def lora_modules(model: CEDForCausalLM) -> list[str]:

@@ -1,0 +1,6 @@
+"""`python -m mol2_cli ...` is `mol2 ...`."""
+import sys
+
+from . import main
+
+sys.exit(main())
