@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from python_backend.triton_io import error_response
+from python_backend.triton_io import Outputs, as_text, optional, required_text, respond_each, text_tensor
 
 from . import mapfile
 from .families import Capture
@@ -185,31 +185,22 @@ class Receiver:
 
 # ---- Triton glue: `pb` is triton_python_backend_utils (or a fake in tests) ----
 
-def _get(pb, request, name):
-    tensor = pb.get_input_tensor_by_name(request, name)
-    return None if tensor is None else tensor.as_numpy()
+# A refusal (bad input, a missing or mismatched map, an unknown zoo model) is the client's 400; anything else ours.
+CLIENT_ERRORS = (ValueError, FileNotFoundError)
 
 
-def _text(value, name: str, required: bool = True) -> str | None:
-    if value is None or value.size == 0:
-        if required:
-            raise ValueError(f"missing input {name!r}")
-        return None
-    if value.size != 1:
-        raise ValueError(f"{name} must hold one string, got shape {list(value.shape)}")
-    item = value.reshape(-1)[0]
-    return item.decode("utf-8") if isinstance(item, bytes) else str(item)
+def _tensors(pb, outputs: Outputs | None, **values) -> list:
+    """In the dtypes the model's config declares; without a config (tests of the glue alone), as built here."""
+    if outputs is not None:
+        return outputs.tensors(**values)
+    return [text_tensor(pb, name, value) if isinstance(value, str) else pb.Tensor(name, value)
+            for name, value in values.items()]
 
 
-def _string_tensor(pb, name: str, text: str):
-    return pb.Tensor(name, np.array([text.encode("utf-8")], dtype=object))
-
-
-def blocks_to_tensors(pb, blocks: KVBlocks) -> list:
-    return [pb.Tensor("kv_keys", np.ascontiguousarray(blocks.keys)),
-            pb.Tensor("kv_values", np.ascontiguousarray(blocks.values)),
-            pb.Tensor("token_ends", blocks.token_ends.astype(np.int64)),
-            _string_tensor(pb, "sender_fingerprint", json.dumps(blocks.fingerprint, sort_keys=True))]
+def blocks_to_tensors(pb, blocks: KVBlocks, outputs: Outputs | None = None) -> list:
+    return _tensors(pb, outputs, kv_keys=np.ascontiguousarray(blocks.keys),
+                    kv_values=np.ascontiguousarray(blocks.values), token_ends=blocks.token_ends.astype(np.int64),
+                    sender_fingerprint=json.dumps(blocks.fingerprint, sort_keys=True))
 
 
 def blocks_from(get) -> KVBlocks | None:
@@ -221,7 +212,7 @@ def blocks_from(get) -> KVBlocks | None:
     if len(given) != len(BLOCK_INPUTS):
         raise BlockMismatch(f"KV blocks come as {', '.join(BLOCK_INPUTS)} together; got only {', '.join(given)}")
     try:
-        fingerprint = json.loads(_text(arrays["sender_fingerprint"], "sender_fingerprint"))
+        fingerprint = json.loads(as_text(arrays["sender_fingerprint"], "sender_fingerprint") or "")
     except json.JSONDecodeError as error:
         raise BlockMismatch(f"sender_fingerprint is not JSON: {error}") from None
     if not isinstance(fingerprint, dict):
@@ -230,51 +221,36 @@ def blocks_from(get) -> KVBlocks | None:
                     fingerprint)
 
 
-def _error(pb, error: Exception):
-    """A refusal (bad input, missing or mismatched map) is the client's: INVALID_ARG (HTTP 400); anything else
-    is ours: INTERNAL (500)."""
-    if isinstance(error, (ValueError, FileNotFoundError)):
-        return error_response(pb, str(error))
-    return error_response(pb, f"{type(error).__name__}: {error}", "INTERNAL")
+def sender_execute(pb, sender: Sender, requests, outputs: Outputs | None = None) -> list:
+    def export(request):
+        blocks = sender.export(required_text(pb, request, "text_input"), required_text(pb, request, "sender"))
+        return pb.InferenceResponse(output_tensors=blocks_to_tensors(pb, blocks, outputs))
 
-
-def sender_execute(pb, sender: Sender, requests) -> list:
-    responses = []
-    for request in requests:
-        try:
-            blocks = sender.export(_text(_get(pb, request, "text_input"), "text_input"),
-                                   _text(_get(pb, request, "sender"), "sender"))
-            responses.append(pb.InferenceResponse(output_tensors=blocks_to_tensors(pb, blocks)))
-        except Exception as error:          # one request's error never fails the batch or the server
-            responses.append(_error(pb, error))
-    return responses
+    return respond_each(pb, requests, export, "heterofold_sender", CLIENT_ERRORS)
 
 
 def ask_sender(pb, model_name: str, text: str, family: str) -> KVBlocks:
     """BLS: run the sender model in this server on `text` and read its blocks."""
     response = pb.InferenceRequest(model_name=model_name, requested_output_names=list(BLOCK_INPUTS),
-                                   inputs=[_string_tensor(pb, "text_input", text),
-                                           _string_tensor(pb, "sender", family)]).exec()
+                                   inputs=[text_tensor(pb, "text_input", text), text_tensor(pb, "sender", family)]
+                                   ).exec()
     if response.has_error():
         raise ValueError(f"{model_name}: {response.error().message()}")
     return blocks_from(lambda name: pb.get_output_tensor_by_name(response, name).as_numpy())
 
 
-def heterofold_execute(pb, receiver: Receiver, requests) -> list:
-    responses = []
-    for request in requests:
-        try:
-            text = _text(_get(pb, request, "text_input"), "text_input")
-            m = receiver.map(_text(_get(pb, request, "map"), "map"))
-            max_tokens = _get(pb, request, "max_tokens")
-            max_tokens = receiver.settings.max_tokens if max_tokens is None else int(max_tokens.reshape(-1)[0])
-            blocks = blocks_from(lambda name: _get(pb, request, name))
-            if blocks is None:
-                blocks = ask_sender(pb, receiver.settings.sender_model, text, m.sender_fp["family"])
-            ids, out = receiver.generate(text, blocks, m, max_tokens)
-            responses.append(pb.InferenceResponse(output_tensors=[
-                _string_tensor(pb, "text_output", out), pb.Tensor("output_ids", np.asarray(ids, dtype=np.int64)),
-                _string_tensor(pb, "map_used", m.used())]))
-        except Exception as error:
-            responses.append(_error(pb, error))
-    return responses
+def heterofold_execute(pb, receiver: Receiver, requests, outputs: Outputs | None = None) -> list:
+    def continue_text(request):
+        text = required_text(pb, request, "text_input")
+        m = receiver.map(required_text(pb, request, "map"))
+        max_tokens = optional(pb, request, "max_tokens")
+        max_tokens = receiver.settings.max_tokens if max_tokens is None else int(max_tokens.reshape(-1)[0])
+        blocks = blocks_from(lambda name: optional(pb, request, name))
+        if blocks is None:
+            blocks = ask_sender(pb, receiver.settings.sender_model, text, m.sender_fp["family"])
+        ids, out = receiver.generate(text, blocks, m, max_tokens)
+        return pb.InferenceResponse(output_tensors=_tensors(pb, outputs, text_output=out,
+                                                            output_ids=np.asarray(ids, dtype=np.int64),
+                                                            map_used=m.used()))
+
+    return respond_each(pb, requests, continue_text, "heterofold", CLIENT_ERRORS)

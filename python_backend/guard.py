@@ -36,8 +36,9 @@ _REQUEST_DROPPED = {"connection", "keep-alive", "proxy-authorization", "proxy-co
 _RESPONSE_DROPPED = {"connection", "keep-alive", "proxy-authenticate", "te", "trailer", "transfer-encoding", "upgrade"}
 _INTEGERS = {**{f"TYPE_INT{bits}": (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) for bits in (8, 16, 32, 64)},
              **{f"TYPE_UINT{bits}": (0, (1 << bits) - 1) for bits in (8, 16, 32, 64)}}
-# How tritonserver's HTTP front end words a body it cannot map onto tensors or parameters. It answers those with
-# 500, though the request is at fault: the guard passes them on as 400 (the message unchanged).
+# How tritonserver's HTTP front end words a request it cannot map onto tensors or parameters, or /infer on a
+# decoupled model. It answers those with a 5xx, though the request is at fault: the guard passes them on as 400 (the
+# message unchanged).
 TRITON_PARSER_ERRORS = ("Unable to parse", "failed to parse the request JSON buffer", "attempt to access JSON",
                         "Expected JSON object for keyword", "HTTP end point doesn't support models with decoupled")
 _FLOATS = {"TYPE_FP16": 65504.0, "TYPE_BF16": 3.3895313892515355e38, "TYPE_FP32": 3.4028234663852886e38,
@@ -227,7 +228,7 @@ def check_generate(body, model: str, config: dict) -> None:
 
 
 def parser_refusal(answer: bytes) -> Refusal | None:
-    """Triton's 500 for a request body it could not parse, as the 400 it should have been (None: a real 500)."""
+    """Triton's 5xx for a request it could not parse, as the 400 it should have been (None: a real 5xx)."""
     try:
         message = json.loads(answer).get("error", "")
     except (ValueError, AttributeError):
@@ -372,12 +373,12 @@ class Guard:
         try:
             async with session.request(request.method, URL(f"http://{upstream}{request.raw_path}", encoded=True),
                                        headers=headers, data=body or None, allow_redirects=False) as answer:
-                if answer.status == 500:  # short: read whole, to tell Triton's parser refusals (the client's) apart
+                if answer.status >= 500:  # short: read whole, to tell Triton's parser refusals (the client's) apart
                     whole = await answer.read()
                     refusal = parser_refusal(whole)
                     if refusal is not None:
                         return self._refuse(refusal)
-                    return web.Response(status=500, body=whole, content_type=answer.content_type)
+                    return web.Response(status=answer.status, body=whole, content_type=answer.content_type)
                 response = web.StreamResponse(status=answer.status, reason=answer.reason)
                 for key, value in answer.headers.items():
                     if key.lower() not in _RESPONSE_DROPPED:

@@ -1,7 +1,9 @@
 """`mol2 serve` keeps tritonserver running: started on loopback ports of its own behind the HTTP guard
 (python_backend/guard.py), restarted with backoff when it exits unexpectedly (each restart logged and counted,
 `mol2_server_restarts_total`; conversations survive it, being journaled), and its required peers probed (a
-`--role prefill` server's decode server), so readiness means the server can serve a turn.
+`--role prefill` server's decode server), so readiness means the server can serve a turn. A model process (a
+Python-backend stub) that dies takes tritonserver down with it here: Triton would keep the model listed as ready and
+answer every request to it with "Stub process ... is not healthy", and it does not restart a decoupled model's stub.
 
 The first start must succeed (a configuration error is reported, not retried); after the server has once been
 ready, any exit that `stop` did not ask for is restarted: 1 s, then 2, 4, ... up to `max_backoff_s`, back to 1 s
@@ -12,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from .guard import ServerState
@@ -42,6 +46,32 @@ def describe_exit(code: int) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exited with code {code}"
+
+
+def model_processes(server_pid: int) -> dict[int, str]:
+    """tritonserver's Python-backend model processes: pid -> the model's name (the folder of its model.py)."""
+    found = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            if parent != server_pid:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                args = cmdline.read().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if args[0].endswith(b"triton_python_backend_stub") and len(args) > 1:
+            found[int(entry)] = Path(args[1].decode(errors="replace")).parent.parent.name
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -77,8 +107,10 @@ class Peer:
 class Supervisor:
     def __init__(self, state: ServerState, launch: Callable[[Ports], subprocess.Popen], grpc_port: int,
                  peers: tuple[Peer, ...] = (), ready_timeout_s: float = 300.0, first_backoff_s: float = 1.0,
-                 max_backoff_s: float = 30.0, stable_s: float = 60.0, probe_every_s: float = 2.0):
+                 max_backoff_s: float = 30.0, stable_s: float = 60.0, probe_every_s: float = 2.0,
+                 find_model_processes: Callable[[int], dict[int, str]] = model_processes):
         self.state, self.launch, self.grpc_port, self.peers = state, launch, grpc_port, peers
+        self.find_model_processes = find_model_processes
         self.ready_timeout_s, self.stable_s = ready_timeout_s, stable_s
         self.first_backoff_s, self.max_backoff_s = first_backoff_s, max_backoff_s
         self.probe_every_s = probe_every_s
@@ -110,11 +142,11 @@ class Supervisor:
                     self.state.upstream, self.state.upstream_metrics = ports.http_url, f"127.0.0.1:{ports.metrics}"
                     self.state.starting = False
                     ready.set()
-                    await self._wait_exit(process, stopping)
+                    died = await self._wait_exit(process, stopping)
                     self.state.upstream = self.state.upstream_metrics = None
                     if stopping.is_set():
                         break
-                    self.state.last_exit = f"tritonserver {describe_exit(process.returncode)}"
+                    self.state.last_exit = died or f"tritonserver {describe_exit(process.returncode)}"
                     await self._stop()  # what is left of its group: model stubs
                     if time.monotonic() - started >= self.stable_s:
                         delay = self.first_backoff_s
@@ -147,13 +179,20 @@ class Supervisor:
             await self._stop()
         await waiting
 
-    @staticmethod
-    async def _wait_exit(process: subprocess.Popen, stopping: asyncio.Event) -> None:
+    async def _wait_exit(self, process: subprocess.Popen, stopping: asyncio.Event) -> str | None:
+        """Until tritonserver exits or `stopping` is set (None), or one of its model processes dies (why)."""
+        models = self.find_model_processes(process.pid)  # all are up once it answers ready
+        log.info("watching tritonserver (pid %d) and its %d model processes (%s)", process.pid, len(models),
+                 ", ".join(sorted(set(models.values()))))
         while process.poll() is None and not stopping.is_set():
+            dead = [(pid, name) for pid, name in models.items() if not alive(pid)]
+            if dead:
+                return f"the model process of {dead[0][1]} (pid {dead[0][0]}) died"
             try:
                 await asyncio.wait_for(stopping.wait(), 0.25)
             except asyncio.TimeoutError:
                 pass
+        return None
 
     async def _probe_peers(self, stopping: asyncio.Event) -> None:
         while not stopping.is_set():

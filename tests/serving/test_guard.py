@@ -295,6 +295,32 @@ def test_a_server_that_dies_is_restarted_and_counted():
     run(main())
 
 
+def test_a_model_process_that_dies_takes_the_server_down_and_it_is_restarted():
+    """Triton keeps a model whose Python stub died listed as ready; the supervisor restarts the whole server."""
+    def launch_with_a_model(ports):  # the fake server starts a child standing in for a model's stub
+        code = "import subprocess; subprocess.Popen(['sleep', '600'])" + FAKE_SERVER
+        return subprocess.Popen([sys.executable, "-c", code, str(ports.http)], start_new_session=True)
+
+    def children(pid):
+        return {int(p): "engine" for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
+                                                         text=True).stdout.split()}
+
+    async def main():
+        state, stopping, ready = ServerState(), asyncio.Event(), asyncio.Event()
+        supervisor = Supervisor(state, launch_with_a_model, grpc_port=0, first_backoff_s=0.1,
+                                find_model_processes=children)
+        task = asyncio.create_task(supervisor.run(stopping, ready))
+        await asyncio.wait_for(ready.wait(), 60)
+        first, (model,) = state.pid, children(state.pid)
+        os.kill(model, signal.SIGKILL)
+        await until(lambda: state.restarts == 1 and state.upstream is not None and state.pid != first)
+        assert state.last_exit == f"the model process of engine (pid {model}) died"
+        stopping.set()
+        await task
+
+    run(main())
+
+
 def test_a_first_start_that_fails_is_reported_not_retried():
     async def main():
         state = ServerState()

@@ -6,12 +6,14 @@ import json
 import triton_python_backend_utils as pb
 
 from heterofold.serving import Receiver, Settings, heterofold_execute
+from python_backend.triton_io import Outputs
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        parameters = json.loads(args["model_config"]).get("parameters", {})
-        self.receiver = Receiver(Settings.from_parameters({k: v["string_value"] for k, v in parameters.items()}))
+        config = json.loads(args["model_config"])
+        parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        self.receiver, self.outputs = Receiver(Settings.from_parameters(parameters)), Outputs(pb, config)
 
     def execute(self, requests):
-        return heterofold_execute(pb, self.receiver, requests)
+        return heterofold_execute(pb, self.receiver, requests, self.outputs)

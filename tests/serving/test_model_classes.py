@@ -1,0 +1,364 @@
+"""Each Triton model's class without a server (a fake `triton_python_backend_utils`): a good request gets its outputs
+in the dtypes its config.pbtxt declares; a client's error is that request's 400 and an error of ours that request's
+logged 500, while the others of the batch are served."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from python_backend.decode_model import DecodeModel
+from python_backend.detokenize_model import DetokenizeModel
+from python_backend.prefill_model import PrefillModel
+from python_backend.relay_model import RelayModel
+from python_backend.roles import relay_config
+from python_backend.route_model import RouteModel
+from python_backend.router_model import RouterModel
+from python_backend.seal import DECODE, PREFILL, SECRET_VARIABLE, Sealer, create_secret_file, decode_fields, \
+    prefill_fields
+from python_backend.serving import ROOT
+from python_backend.tokenize_model import TokenizeModel
+from python_backend.triton_io import Outputs
+
+FINAL = 1
+
+
+class Tensor:
+    def __init__(self, name, array):
+        self._name, self._array = name, np.asarray(array)
+
+    def name(self):
+        return self._name
+
+    def as_numpy(self):
+        return self._array
+
+
+class TritonError:
+    INVALID_ARG, INTERNAL = "INVALID_ARG", "INTERNAL"
+
+    def __init__(self, message, code="UNKNOWN"):
+        self._message, self._code = message, code
+
+    def message(self):
+        return self._message
+
+    def code(self):
+        return self._code
+
+
+class InferenceResponse:
+    def __init__(self, output_tensors, error=None):
+        self.tensors, self._error = {t.name(): t.as_numpy() for t in output_tensors}, error
+
+    def has_error(self):
+        return self._error is not None
+
+    def error(self):
+        return self._error
+
+
+class Sender:
+    def __init__(self):
+        self.sent = []  # (response or None, flags)
+
+    def send(self, response=None, flags=0):
+        self.sent.append((response, flags))
+
+    def is_cancelled(self):
+        return False
+
+
+def array(value) -> np.ndarray:
+    return np.array([value.encode()], dtype=object) if isinstance(value, str) else np.asarray(value)
+
+
+class Request:
+    def __init__(self, wanted=(), **inputs):
+        self.inputs = {name: Tensor(name, array(value)) for name, value in inputs.items()}
+        self.wanted, self.sender = wanted, Sender()
+
+    def requested_output_names(self):
+        return list(self.wanted)
+
+    def get_response_sender(self):
+        return self.sender
+
+
+class TritonModelException(Exception):
+    pass
+
+
+@pytest.fixture()
+def pb():
+    """The pieces of triton_python_backend_utils the models use. BLS calls reach the classes in `pb.models`."""
+    logged, counts, models = [], Counter(), {}
+
+    class MetricFamily:
+        COUNTER = "counter"
+
+        def __init__(self, name, description, kind):
+            self.name = name
+
+        def Metric(self, labels):  # noqa: N802 - Triton's name
+            return SimpleNamespace(increment=lambda value: counts.update({(self.name, labels["adapter"]): value}))
+
+    class InferenceRequest:
+        def __init__(self, model_name, requested_output_names, inputs):
+            self.model_name, self.inputs = model_name, {t.name(): t.as_numpy() for t in inputs}
+
+        def exec(self):
+            return models[self.model_name].execute([Request(**self.inputs)])[0]
+
+    return SimpleNamespace(
+        Tensor=Tensor, TritonError=TritonError, InferenceResponse=InferenceResponse, InferenceRequest=InferenceRequest,
+        MetricFamily=MetricFamily, TritonModelException=TritonModelException,
+        TRITONSERVER_RESPONSE_COMPLETE_FINAL=FINAL,
+        Logger=SimpleNamespace(log_error=logged.append, log_info=lambda message: None),
+        get_input_tensor_by_name=lambda request, name: request.inputs.get(name),
+        get_output_tensor_by_name=lambda response, name: Tensor(name, response.tensors[name]),
+        using_decoupled_model_transaction_policy=lambda config: config["model_transaction_policy"]["decoupled"],
+        logged=logged, counts=counts, models=models)
+
+
+def config_of(text: str, **parameters) -> dict:
+    """The parts of a model's config (as Triton passes it to `initialize`) the classes read, from config.pbtxt."""
+    outputs = text.split("output [")[1].split("instance_group")[0]
+    return {"output": [{"name": name, "data_type": kind}
+                       for name, kind in re.findall(r'name: "(\w+)" data_type: (TYPE_\w+)', outputs)],
+            "model_transaction_policy": {"decoupled": "decoupled: true" in text},
+            "parameters": {name: {"string_value": str(value)} for name, value in parameters.items()}}
+
+
+@pytest.fixture()
+def config(served_dir, tmp_path, monkeypatch):
+    """name -> that model's config, its settings pointing at the tiny served model and a fresh store."""
+    monkeypatch.setenv(SECRET_VARIABLE, str(create_secret_file(tmp_path / "server.secret")))
+    settings = dict(model_dir=served_dir / "model", adapter_set=served_dir / "adapter_set.json",
+                    store_dir=tmp_path / "store", router_dir=served_dir / "router", engine="torch",
+                    router_model="router")
+    return lambda name: config_of((ROOT / "model_repository" / name / "config.pbtxt").read_text(), **settings)
+
+
+def declared(config: dict) -> dict[str, type]:
+    return {output["name"]: Outputs(None, config).dtypes[output["name"]] for output in config["output"]}
+
+
+def assert_outputs(response, config: dict, names=None) -> None:
+    """No error, the outputs asked for (all by default), each in the dtype its config declares."""
+    assert not response.has_error(), response.error().message()
+    dtypes = declared(config)
+    assert set(response.tensors) == set(dtypes if names is None else names)
+    for name, value in response.tensors.items():
+        assert value.dtype == dtypes[name], name
+
+
+def assert_refused(response, text: str) -> None:
+    assert response.has_error() and response.error().code() == "INVALID_ARG"
+    assert text in response.error().message(), response.error().message()
+
+
+def assert_failed_here(response, pb, model: str) -> None:
+    """Ours: a 500 naming the model (the wording bls_call tells failures by), its traceback logged."""
+    assert response.has_error() and response.error().code() == "INTERNAL"
+    assert response.error().message() == f"{model} failed: RuntimeError: boom"
+    assert len(pb.logged) == 1 and "Traceback" in pb.logged[0] and "boom" in pb.logged[0]
+
+
+def fail_when(target, method: str, when) -> None:
+    """`target.method` raises RuntimeError("boom") (a bug of ours) on the calls `when(*args)` picks."""
+    real = getattr(target, method)
+
+    def replaced(*args, **kwargs):
+        if when(*args):
+            raise RuntimeError("boom")
+        return real(*args, **kwargs)
+
+    setattr(target, method, replaced)
+
+
+def test_tokenize(pb, config):
+    model = TokenizeModel(pb, config("tokenize"))
+    fail_when(model.tokenizer, "encode", lambda text: text == "bug")
+    good, empty, bug = model.execute([Request(text_input="hello"), Request(text_input=""), Request(text_input="bug")])
+    assert_outputs(good, config("tokenize"))
+    assert good.tensors["_text_ids"].tolist() == model.tokenizer.encode("hello")
+    assert_refused(empty, "text_input is empty")
+    assert_failed_here(bug, pb, "tokenize")
+
+
+def test_detokenize(pb, config):
+    model = DetokenizeModel(pb, config("detokenize"))
+    fail_when(model.tokenizer, "decode", lambda ids: ids == [66])
+    good, bad, bug = model.execute([Request(_ids=np.array([104, 105]), _fresh=np.array([2], np.int32), _last=[True]),
+                                    Request(_ids=np.array([10 ** 6]), _fresh=np.array([1], np.int32), _last=[True]),
+                                    Request(_ids=np.array([66]), _fresh=np.array([1], np.int32), _last=[True])])
+    assert_outputs(good, config("detokenize"))
+    assert good.tensors["text_output"][0] == b"hi"
+    assert_refused(bad, "_ids holds 1000000, not a token id")
+    assert_failed_here(bug, pb, "detokenize")
+
+
+def sealed_prefill(ids, conversation_id=None, route_only=False) -> Request:
+    seal = Sealer.from_environment().seal(PREFILL, **prefill_fields(conversation_id, route_only, ids))
+    inputs = dict(_text_ids=np.asarray(ids, np.int64), _seal=seal, _route_only=[route_only])
+    return Request(**inputs, **({"conversation_id": conversation_id} if conversation_id else {}))
+
+
+def test_prefill(pb, config):
+    model = PrefillModel(pb, config("prefill"))
+    fail_when(model.stage, "run", lambda conversation_id, ids, route_only: ids == [66])
+    unsealed = Request(_text_ids=np.array([104, 105]))
+    good, refused, bug = model.execute([sealed_prefill([104, 105]), unsealed, sealed_prefill([66])])
+    assert_outputs(good, config("prefill"))
+    assert good.tensors["_transfer_meta"].tolist()[1] == 0 and good.tensors["_state"].size > 0
+    assert_refused(refused, "prefill is an internal stage")
+    assert_failed_here(bug, pb, "prefill")
+
+
+def test_router(pb, config):
+    model = RouterModel(pb, config("router"))
+    fail_when(model.stage, "run", lambda adapter_set, h19, explicit: explicit == "coding")
+    h19 = np.zeros(model.hidden_size, np.float32)
+    meta = np.array([12, 0], np.int64)
+    routed, named, unknown, bug = model.execute([Request(_h19=h19, _transfer_meta=meta),
+                                                 Request(_h19=h19, _transfer_meta=meta, adapter="chat"),
+                                                 Request(_h19=h19, _transfer_meta=meta, adapter="nope"),
+                                                 Request(_h19=h19, _transfer_meta=meta, adapter="coding")])
+    for response in (routed, named):
+        assert_outputs(response, config("router"))
+    assert named.tensors["_route_adapter"][0] == b"chat"
+    assert named.tensors["_routed_meta"][0] == 12
+    assert routed.tensors["_route_scores"][0].startswith(b"{")
+    assert_refused(unknown, "unknown adapter 'nope'")
+    assert_failed_here(bug, pb, "router")
+    assert pb.counts[("mol2_routes_written", "chat")] >= 1
+    model.finalize()
+
+
+def test_route_through_bls(pb, config):
+    """route -> tokenize -> prefill -> router, each the class its model.py wires, called through the fake BLS."""
+    route = RouteModel(pb, config("route"))
+    pb.models.update(tokenize=TokenizeModel(pb, config("tokenize")), prefill=PrefillModel(pb, config("prefill")),
+                     router=RouterModel(pb, config("router")))
+    fail_when(pb.models["tokenize"].tokenizer, "encode", lambda text: text == "bug")
+    good, empty, bug = route.execute([Request(text_input="hello"), Request(text_input=""), Request(text_input="bug")])
+    assert_outputs(good, config("route"))
+    assert good.tensors["adapter"][0].decode() in ("chat", "coding")
+    assert_refused(empty, "text_input is empty")  # tokenize's 400 stays the client's
+    # tokenize's failure is ours twice over: logged there, and the route model's own 500
+    assert bug.error().code() == "INTERNAL"
+    assert bug.error().message().startswith("route failed: StageFailure: tokenize: tokenize failed: RuntimeError")
+    assert len(pb.logged) == 2
+
+
+def decode_request(pb, config, conversation_id: str, wanted=(), stream=False, return_state=False) -> Request:
+    """A sealed decode request for a new turn, prefilled and routed (to `chat`) by the classes themselves."""
+    prefilled = PrefillModel(pb, config("prefill")).execute([sealed_prefill([104, 105], None)])[0].tensors
+    routed = RouterModel(pb, config("router")).execute([Request(_h19=prefilled["_h19"], adapter="chat",
+                                                                _transfer_meta=prefilled["_transfer_meta"])])[0]
+    meta = routed.tensors["_routed_meta"]
+    seal = Sealer.from_environment().seal(DECODE, **decode_fields(
+        conversation_id, meta[0], meta[1], prefilled["_state"].tobytes(), return_state, False))
+    return Request(wanted, _state=prefilled["_state"], _routed_meta=meta, _conversation_id=conversation_id,
+                   _route_scores="{}", max_tokens=np.array([3], np.int32), stream=[stream], _seal=seal,
+                   _return_state=[return_state])
+
+
+def test_decode(pb, config):
+    model = DecodeModel(pb, config("decode"))
+    fail_when(model.stage, "run", lambda adapter_set, request: request.conversation_id == "c3")
+    asked = ("_ids", "_fresh", "_last", "output_tokens")  # decoupled: only these may be sent
+    everything = tuple(set(declared(config("decode"))) - {"_state_out", "_state_seal"})  # as the ensemble asks
+    streamed, whole = decode_request(pb, config, "c1", asked, stream=True), decode_request(pb, config, "c2", everything)
+    unsealed = decode_request(pb, config, "c9")
+    unsealed.inputs.pop("_seal")
+    bug = decode_request(pb, config, "c3")
+    model.execute([streamed, unsealed, whole, bug])
+
+    *tokens, (last, flags) = streamed.sender.sent
+    assert len(tokens) == 3 and all(f == 0 for _, f in tokens) and flags == FINAL
+    for response, _ in streamed.sender.sent:
+        assert_outputs(response, config("decode"), asked)
+    assert last.tensors["output_tokens"].tolist() == [3] and last.tensors["_fresh"].tolist() == [0]
+    (response, flags), = whole.sender.sent
+    assert flags == FINAL
+    assert_outputs(response, config("decode"), everything)
+    assert response.tensors["applied_adapter"][0] == b"chat" and response.tensors["_fresh"].tolist() == [3]
+    assert model.served.store.exists("c1") and model.served.store.exists("c2")
+
+    (refused, flags), = unsealed.sender.sent
+    assert flags == FINAL and not model.served.store.exists("c9")
+    assert_refused(refused, "decode is an internal stage")
+    (failed, flags), = bug.sender.sent
+    assert flags == FINAL
+    assert_failed_here(failed, pb, "decode")
+    model.served.store.begin_turn("c3")  # its turn lock was released: a next turn may take it
+    model.served.store.end_turn("c3")
+    assert pb.counts[("mol2_requests", "chat")] == 2
+    model.finalize()
+
+
+def test_decode_returns_the_state_to_a_prefill_server(pb, config):
+    model = DecodeModel(pb, config("decode"))
+    wanted = tuple(declared(config("decode")))
+    request = decode_request(pb, config, "c1", wanted, return_state=True)
+    model.execute([request])
+    (answer, flags), (state, final) = request.sender.sent
+    assert (flags, final) == (0, FINAL)
+    assert_outputs(answer, config("decode"), set(wanted) - {"_state_out", "_state_seal"})
+    assert_outputs(state, config("decode"), {"_state_out", "_state_seal"})
+    assert not model.served.store.exists("c1")  # the prefill server owns the store
+    model.finalize()
+
+
+def test_decode_must_be_decoupled(pb, config):
+    coupled = dict(config("decode"), model_transaction_policy={"decoupled": False})
+    with pytest.raises(TritonModelException, match="decode must be decoupled"):
+        DecodeModel(pb, coupled)
+
+
+def test_relay(pb, config, served_dir, tmp_path):
+    ensemble = (ROOT / "model_repository" / "mol2" / "config.pbtxt").read_text()
+    relay_settings = config("prefill")["parameters"] | {
+        name: {"string_value": value} for name, value in
+        dict(router_model="router", decode_model="decode", decode_url="host:1").items()}
+    relay = dict(config_of(relay_config(ensemble, "mol2", "host:1")), parameters=relay_settings)
+    model = RelayModel(pb, relay)
+
+    def run(fields, send, cancelled):
+        text = fields["text_input"][0].decode()
+        if text == "bug":
+            raise RuntimeError("boom")
+        if not text:
+            raise ValueError("text_input is empty")
+        send({"text_output": np.array([b"hi"], object), "replayed_tokens": np.array([4], np.int64),
+              "output_tokens": np.array([1], np.int64), "applied_adapter": np.array([b"chat"], object),
+              "route_scores": np.array([b"{}"], object), "conversation_id_out": np.array([b"c1"], object)}, True)
+
+    model.relay = SimpleNamespace(run=run)
+    wanted = ("text_output", "replayed_tokens", "output_tokens")
+    good, empty, bug = Request(wanted, text_input="hello"), Request(text_input=""), Request(text_input="bug")
+    model.execute([good, empty, bug])
+    model.finalize()  # waits for the relay's threads
+    (response, flags), = good.sender.sent
+    assert flags == FINAL
+    assert_outputs(response, relay, wanted)  # int32, as the ensemble declares, whatever came back
+    assert_refused(empty.sender.sent[0][0], "text_input is empty")
+    assert_failed_here(bug.sender.sent[0][0], pb, "relay")
+
+
+def test_outputs_follow_the_config():
+    config = {"output": [{"name": "n", "data_type": "TYPE_INT64"}, {"name": "s", "data_type": "TYPE_STRING"},
+                         {"name": "b", "data_type": "TYPE_UINT8"}]}
+    outputs = Outputs(SimpleNamespace(Tensor=Tensor), config)
+    n, s, j, b = (outputs.tensor(name, value) for name, value in (("n", 3), ("s", "é"), ("s", {"b": 1, "a": 2}),
+                                                                   ("b", b"\x01\x02")))
+    assert n.as_numpy().dtype == np.int64 and n.as_numpy().tolist() == [3]
+    assert s.as_numpy().tolist() == ["é".encode()]
+    assert j.as_numpy().tolist() == [b'{"a": 2, "b": 1}']
+    assert b.as_numpy().dtype == np.uint8 and b.as_numpy().tolist() == [1, 2]
