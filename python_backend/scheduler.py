@@ -312,12 +312,14 @@ class Scheduler:
         self.stats.replays += len(turns)
         for turn, row_logits, count in zip(turns, logits, counts):
             turn.replayed = count
-            if turn.tokens and self.prefix.byte_budget and (turn.stateless or turn.new):
-                # the prompt's end, the adapter's windows and next-token logits: what a resend will match
+            self.decoding.append(turn)
+            self._next(turn, row_logits)  # the first token is on its way before the cache's copy is made
+            # The prompt's end, the adapter's windows and next-token logits: what a resend will match. The row is
+            # as the replay left it (the sampled token is appended by the next step), unless the turn has just
+            # finished at the context limit (its end state went to the cache then).
+            if turn.tokens and self.prefix.byte_budget and (turn.stateless or turn.new) and turn in self.decoding:
                 self.prefix.insert(self.engine.fork(turn.row, keep_bound=True), turn.pooled, row_logits.clone(),
                                    turn.digest)
-            self.decoding.append(turn)
-            self._next(turn, row_logits)
 
     def _replayed_already(self, turn: Turn) -> bool:
         """A stateless prompt found whole in the cache with its adapter's windows current and the logits they gave:
