@@ -1,7 +1,8 @@
 """Engine speed: tokens/s of prefill, replay and decode for each engine kind, interleaved in one run.
 
-Every engine serves the trained demo (models/demo) with its four adapters; replay and decode run under one of
-them. Each repeat times every engine in turn on the same work, so drift of the machine spreads over all rows:
+Every engine serves the demo (the one every command uses, ced/demo.py; or --model) with its four adapters; replay
+and decode run under one of them. Each repeat times every engine in turn on the same work, so drift of the machine
+spreads over all rows:
 
 - prefill: a fresh conversation's `--context` tokens through the adapter-free stage (chunks of 256);
 - replay:  a switch at that context: the last W positions through the decoder under the adapter;
@@ -25,7 +26,6 @@ from ._report import add_plot_option, markdown_table, median_spread, plot_path, 
 
 COLUMNS = ["engine", "phase", "tokens", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "ms", "ms_min",
            "ms_max", "speedup_vs_torch"]
-DEMO = Path(__file__).resolve().parents[1] / "models/demo"
 ADAPTERS = ("chat", "agent", "coding", "design")
 
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--repeats", type=int, help="interleaved repeats (default 7)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch and ONNX Runtime threads (default 1: steadiest on a shared machine)")
-    parser.add_argument("--model", type=Path, default=DEMO / "model", help="model folder (default: the demo)")
+    parser.add_argument("--model", type=Path, default=None, help="model folder (default: the demo's, ced/demo.py)")
     parser.add_argument("--onnx-dir", type=Path, help="built ONNX engine (default: exported once and cached)")
     parser.add_argument("--trt-dir", type=Path, help="built TensorRT engine: adds a tensorrt row (GPU)")
     parser.add_argument("--json", help="write the table as JSON rows here")
@@ -122,6 +122,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     context = args.context or (512 if args.quick else 2048)
     n_decode = args.decode or (16 if args.quick else 64)
     repeats = args.repeats or (3 if args.quick else 7)
+    if args.model is None:
+        from ced.demo import resolve_demo
+
+        demo = resolve_demo()
+        print(demo.describe())
+        args.model = demo.model_dir
 
     engines = {"torch": make_engine("torch", args.model),
                "onnxruntime": make_engine("onnxruntime", args.model, engine_dir=args.onnx_dir, threads=args.threads)}

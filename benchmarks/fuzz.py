@@ -695,7 +695,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     add_plot_option(parser, "artifacts/benchmarks/fuzz.png")
     args = parser.parse_args(argv)
     args.plot = plot_path(args)
-    from python_backend.serving import ROOT
+    from python_backend.settings import ROOT
 
     counts = QUICK if args.quick else FULL
     logs = ROOT / "artifacts/logs"

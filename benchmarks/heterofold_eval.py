@@ -1,4 +1,5 @@
-"""HeteroFold quality benchmark: every direction among the zoo's three families, every method, one table.
+"""HeteroFold quality benchmark: every direction among the benchmarked families (heterofold/registry.py), every
+method, one table.
 
     python -m benchmarks.heterofold_eval [--quick] [--json PATH] [--plot PATH] [--directions llama:qwen3,...]
                                          [--split heldout|selection]
@@ -22,7 +23,8 @@ from benchmarks._report import paired_difference
 from heterofold.baselines import ALL_METHODS, COMPOSED, compose, fit_method
 from heterofold.evaluate import Direction, EvalConfig, evaluate, make_items, selection_items
 from heterofold import corpus
-from heterofold.pipeline import DIRECTIONS, N_HELD, N_TRAIN, calibration_texts, collect_direction, parse_direction
+from heterofold.pipeline import N_HELD, N_TRAIN, calibration_texts, collect_direction, parse_direction
+from heterofold.registry import directions
 from heterofold.zoo import ROOT, load_zoo
 
 QUICK_METHODS = ["text_reprefill", "heterofold", "kv_ridge_ta", "dense_latent_ta", "abl_index_pairing"]
@@ -85,12 +87,14 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="one direction, main methods, small sets (1-2 min)")
+    p.add_argument("--quick", action="store_true",
+                   help="the first default direction, main methods, small sets (1-2 min)")
     p.add_argument("--json", help="write the rows as a JSON list")
     p.add_argument("--plot", type=Path, help="the figure (default: ROOT/heterofold_eval.png; with --quick, "
                                              "ROOT/heterofold_eval_quick.png)")
     p.add_argument("--directions", type=lambda text: [parse_direction(d) for d in text.split(",")],
-                   help="comma list of SENDER:RECEIVER (default: all six)")
+                   help="comma list of SENDER:RECEIVER of any registered families (default: every direction "
+                        "among the benchmarked ones)")
     p.add_argument("--methods", type=lambda text: text.split(","),
                    help=f"comma list of {', '.join(ALL_METHODS)} (default: all, or the main ones with --quick)")
     p.add_argument("--n-train", type=int, default=None)
@@ -103,7 +107,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--root", type=Path, default=ROOT, help="zoo + corpus folder (default: %(default)s)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    dirs = args.directions or ([("llama", "qwen3")] if args.quick else DIRECTIONS)
+    dirs = args.directions or (directions()[:1] if args.quick else directions())
     methods = args.methods or (QUICK_METHODS if args.quick else ALL_METHODS)
     if set(methods) - set(ALL_METHODS):
         p.error(f"unknown method(s) {', '.join(sorted(set(methods) - set(ALL_METHODS)))}; "

@@ -22,6 +22,7 @@ import torch
 from heterofold import align, corpus, mapfile
 from heterofold.baselines import fit_method
 from heterofold.pipeline import collect_direction, parse_direction
+from heterofold.registry import directions
 from heterofold.zoo import ROOT, load_zoo
 
 from ._report import add_plot_option, plot_path
@@ -88,7 +89,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--quick", action="store_true", help="1K and 4K tokens, 3 repetitions")
     p.add_argument("--json")
     add_plot_option(p, "artifacts/heterofold/heterofold_latency.png")
-    p.add_argument("--direction", type=parse_direction, default=("llama", "qwen3"), help="SENDER:RECEIVER")
+    p.add_argument("--direction", type=parse_direction, default=None,
+                   help="SENDER:RECEIVER (default: the first direction among the benchmarked families)")
     p.add_argument("--lengths", default=None, help="comma list of context lengths (default 1024,4096,16384)")
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--threads", type=int, default=1)
@@ -98,7 +100,7 @@ def main(argv=None) -> list[dict]:
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else (
         [1024, 4096] if args.quick else [1024, 4096, 16384])
     reps = args.reps or (3 if args.quick else 5)
-    s_name, r_name = args.direction
+    s_name, r_name = args.direction or directions()[0]
     zoo = load_zoo(tuple(dict.fromkeys((s_name, r_name))))
     s, r = zoo[s_name], zoo[r_name]
 

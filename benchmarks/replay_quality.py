@@ -106,14 +106,16 @@ def hidden_state_mae(engine: CEDEngine, tokens: list[int], adapter: str | None, 
 
 def load(args) -> tuple[CEDEngine, list[str | None], list[int], bool]:
     """The engine with its adapters, and a stream of validation tokens (real text when trained)."""
-    root = Path(args.artifacts)
-    trained = (root / "model" / "config.json").is_file()
-    if trained:
+    from ced.demo import resolve_demo
+
+    demo = resolve_demo(args.demo)
+    print(demo.describe())
+    model, adapter_dirs = CEDForCausalLM.from_pretrained(demo.model_dir), demo.adapters_dir
+    if demo.trained:
         from engine_build.tokenizer import load_tokenizer
 
-        model, adapter_dirs = CEDForCausalLM.from_pretrained(root / "model"), root / "adapters"
         names = [n for n in (*TRAINED, "random_l0") if (adapter_dirs / n).is_dir()]
-        tokenizer = load_tokenizer(root / "model" / "tokenizer.json")
+        tokenizer = load_tokenizer(demo.tokenizer)
         if not (Path(args.corpus) / "general.valid.jsonl").is_file():
             raise SystemExit(f"no corpus at {args.corpus}: build it with `python -m engine_build corpus --out "
                              f"{args.corpus}` (about a minute)")
@@ -125,14 +127,10 @@ def load(args) -> tuple[CEDEngine, list[str | None], list[int], bool]:
                     if len(stream) > 3000 * (1 + ("general", "chat", "coding", "agent", "design").index(domain)):
                         break
     else:
-        from ced.demo import untrained_demo
         from ced.synthetic import make_random_adapter
 
-        print(f"no trained demo under {root}: using the untrained demo and random tokens (run "
-              "`python -m engine_build demo` first for the real measurement)")
-        demo = untrained_demo()
-        model, names = CEDForCausalLM.from_pretrained(demo.model_dir), list(demo.adapters)
-        adapter_dirs = demo.model_dir.parent / "adapters"
+        print("no trained demo: random tokens (run `python -m engine_build demo` first for the real measurement)")
+        names = list(demo.adapters)
         if not (adapter_dirs / "random_l0").is_dir():
             make_random_adapter(model, adapter_dirs / "random_l0", decoder_modules_other(model), rank=8, alpha=32,
                                 seed=99, scale=0.05)
@@ -141,7 +139,7 @@ def load(args) -> tuple[CEDEngine, list[str | None], list[int], bool]:
     engine = CEDEngine(model, max_adapters=8, max_rank=16)
     for name in names:
         engine.adapters.load(name, adapter_dirs / name)
-    return engine, [None, *names], stream, trained
+    return engine, [None, *names], stream, demo.trained
 
 
 def decoder_modules_other(model) -> str:
@@ -208,7 +206,8 @@ def plot(rows, curves, hidden, out: Path) -> None:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="shorter inputs and three adapters: a smoke check")
-    parser.add_argument("--artifacts", default="models/demo", help="trained demo model and adapters")
+    parser.add_argument("--demo", default=None, help="a demo folder, model/ and adapters/ (default: the one every "
+                                                     "command uses, ced/demo.py)")
     parser.add_argument("--corpus", default="artifacts/corpus", help="corpus with *.valid.jsonl")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--hidden-samples", type=int, default=12,

@@ -101,29 +101,28 @@ def stratified(questions, per_class: int) -> list:
 
 def harness(demo, questions, mol_tokens, checkpoint, progress=True) -> dict[str, list]:
     """The three routers through the engine on the same questions: prefill the turn, then each decides."""
-    from mol2_router import ContextualRouter, MoL2Router, MoLRouter
+    from mol2_router import ContextualRouter, MoL2Router, MoLRouter, RouteQuery
     from mol2_router.features import BOS, RouteTokenizer, turn_tokens
     from mol2_router.pipeline import demo_engine, load_head, run_dir
 
     engine = demo_engine(demo)
     tok = RouteTokenizer(demo.tokenizer)
-    candidates = questions[0].candidates
-    routers = {"mol": MoLRouter(engine, tok, candidates, adapter="random_l0", max_tokens=mol_tokens)}
-    for kind, name in (("mol2", "mol2"), ("contextual", "contextual")):
+    routers = [MoLRouter(engine, tok, adapter="random_l0", max_tokens=mol_tokens)]
+    for kind in ("mol2", "contextual"):
         folder = run_dir(demo, kind, "B", 0) / checkpoint
         if (folder / "head.safetensors").exists():
             head, config, _ = load_head(folder)
-            routers[name] = MoL2Router(head, engine.model.get_input_embeddings().weight, tok, candidates) \
-                if kind == "mol2" else ContextualRouter(engine, head, tok, candidates, config.max_option_tokens)
-    out = {name: [] for name in routers}
+            routers.append(MoL2Router(head, engine.model.get_input_embeddings().weight, tok) if kind == "mol2"
+                           else ContextualRouter(engine, head, tok, max_option_tokens=config.max_option_tokens))
+    out = {router.name: [] for router in routers}
     reasons = []
     for q in tqdm(questions, desc="harness (all routers per question)", disable=not progress):
         state = engine.new_conversation()
-        h19 = engine.prefill(state, [BOS] + turn_tokens(tok, q.query))[1:]
-        for name, router in routers.items():
-            d = router.decide(h19, state=state) if name == "mol2" else router.decide(state, h19)
-            out[name].append((q, d.adapter))
-            if name == "mol" and len(reasons) < 3:
+        query = RouteQuery(engine.prefill(state, [BOS] + turn_tokens(tok, q.query))[1:], state)
+        for router in routers:
+            d = router.decide(query, q.candidates)
+            out[router.name].append((q, d.adapter))
+            if d.reason and len(reasons) < 3:  # MoL's decoded text
                 reasons.append(d.reason)
     return out, reasons
 
@@ -192,7 +191,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--checkpoint", choices=("last", "best"), default="last")
     parser.add_argument("--modes", nargs="+", default=["A", "B", "C"], choices=("A", "B", "C"))
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--artifacts", default="artifacts")
+    parser.add_argument("--demo", default=None, help="a demo folder (default: the one every command uses, ced/demo.py)")
+    parser.add_argument("--artifacts", default=None, help="where `mol2 build demo` writes ARTIFACTS/demo")
     parser.add_argument("--data", default="artifacts/router/data")
     parser.add_argument("--no-harness", action="store_true", help="skip the end-to-end engine harness (and MoL)")
     parser.add_argument("--route-prompt", default=None, help="MoL2 option side with this route prompt")
@@ -207,10 +207,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.quick:
         args.harness_per_class, args.mol_tokens = 3, min(args.mol_tokens, 16)
 
+    from ced.demo import resolve_demo
     from mol2_router.data import read_questions
-    from mol2_router.pipeline import resolve_demo
 
-    demo = resolve_demo(args.artifacts)
+    demo = resolve_demo(args.demo, args.artifacts)
+    print(demo.describe())
     rows, details = [], []
     for kind in args.kinds:
         predictions, _ = head_predictions(demo, args.data, kind, args.checkpoint, args.modes,
@@ -243,8 +244,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                      else "-", "split": split, "accuracy": sum(q.label == p for q, p in pairs) / len(pairs),
                      "std": 0.0, "seeds": 1, "n": len(pairs)})
         details += [{"table": f"per class, {split}", **r} for r in breakdown(name, pairs, lambda q: q.label)]
-    print(f"\nbackbone: {demo.model_dir} ({'trained' if demo.trained else 'untrained, seeded random weights'}); "
-          f"checkpoint: {args.checkpoint}; MoL: random_l0, up to {args.mol_tokens} tokens"
+    print(f"\n{demo.describe()}; checkpoint: {args.checkpoint}; MoL: random_l0, up to {args.mol_tokens} tokens"
           + (f"; MoL2 route prompt: {args.route_prompt!r}" if args.route_prompt else ""))
     print(markdown_table(rows, COLUMNS))
     for table in dict.fromkeys(d["table"] for d in details):

@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--subset-seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--artifacts", default="artifacts")
+    parser.add_argument("--demo", default=None, help="a demo folder (default: the one every command uses, ced/demo.py)")
+    parser.add_argument("--artifacts", default=None, help="where `mol2 build demo` writes ARTIFACTS/demo")
     parser.add_argument("--data", default="artifacts/router/data")
     parser.add_argument("--json", default=None)
     add_plot_option(parser, "artifacts/benchmarks/router_data_scaling.png")
@@ -60,10 +61,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     from mol2_router.config import RouterConfig
     from mol2_router.features import RouteTokenizer
-    from mol2_router.pipeline import load_model, load_sets, resolve_demo
+    from ced.demo import resolve_demo
+    from mol2_router.pipeline import load_model, load_sets
     from mol2_router.train import OptionTable, Scorer, TrainConfig, accuracy, new_scorer, train_head
 
-    demo = resolve_demo(args.artifacts)
+    demo = resolve_demo(args.demo, args.artifacts)
+    print(demo.describe())
     config = RouterConfig.from_name("demo")
     model = load_model(demo.model_dir)
     sets = load_sets(model, demo, args.data, "mol2", config, progress=False, log=None)
@@ -87,7 +90,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                             for split in ("generic.test", "domain.train", "domain.bench")},
                          "train_s": round(time.time() - started, 1)})
             print(markdown_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
-    print(f"\nbackbone: {demo.model_dir} ({'trained' if demo.trained else 'untrained'}); epochs {args.epochs}, "
+    print(f"\n{demo.describe()}; epochs {args.epochs}, "
           f"seed {args.seed}, subset seed {args.subset_seed}")
     print(markdown_table(rows, COLUMNS))
     write_json(rows, args.json)

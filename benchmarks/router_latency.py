@@ -81,17 +81,16 @@ def build_routers(engine, demo, tokenizer, candidates, mol_tokens: int):
     else:
         qk = QKHead(config.hidden_size, config.d_model).eval()
         notes.append("Contextual q/k head: untrained (decision time does not depend on the weights)")
-    routers = {
-        "mol2": MoL2Router(head, engine.model.get_input_embeddings().weight, tokenizer, candidates),
-        "contextual": ContextualRouter(engine, qk, tokenizer, candidates, config.max_option_tokens),
-        "mol": MoLRouter(engine, tokenizer, candidates, adapter="random_l0", max_tokens=mol_tokens),
-    }
-    return routers, notes
+    routers = (MoL2Router(head, engine.model.get_input_embeddings().weight, tokenizer, candidates),
+               ContextualRouter(engine, qk, tokenizer, candidates, config.max_option_tokens),
+               MoLRouter(engine, tokenizer, candidates, adapter="random_l0", max_tokens=mol_tokens))
+    return {router.name: router for router in routers}, notes  # options prepared here, untimed
 
 
-def measure(engine, routers, stream: list[int], per_bucket: int, seed: int) -> list[dict]:
+def measure(engine, routers, options, stream: list[int], per_bucket: int, seed: int) -> list[dict]:
     """One timed decision per router per sample, as a served turn makes (a repeated decision on the same H19 would
     find the head warm in the CPU caches: measured, repeats 2-5 took about half the first one's time)."""
+    from mol2_router import RouteQuery
     from mol2_router.features import ASSISTANT, BOS, END, USER
 
     rng = random.Random(seed)
@@ -105,22 +104,18 @@ def measure(engine, routers, stream: list[int], per_bucket: int, seed: int) -> l
     rng.shuffle(samples)  # buckets interleaved too
     # warm-up: first calls pay allocations and lazy initialisation
     state = engine.new_conversation()
-    h19 = engine.prefill(state, samples[0][1][:32])
+    query = RouteQuery(engine.prefill(state, samples[0][1][:32]), state)
     for name, router in routers.items():
-        for _ in range(3 if name == "mol2" else 1):
-            router.decide(h19, state=state) if name == "mol2" else router.decide(state, h19)
+        for _ in range(3 if name == "mol2" else 1):  # MoL2's call is short enough for its first ones to stand out
+            router.decide(query, options)
     records = []
     for i, (bucket, tokens) in enumerate(tqdm(samples, desc="samples (3 routers each)")):
         state = engine.new_conversation()
-        h19 = engine.prefill(state, tokens)[1:]  # the turn's H19 (after <|bos|>): from the normal prefill, untimed
+        query = RouteQuery(engine.prefill(state, tokens)[1:], state)  # the turn's H19 (after <|bos|>), untimed
         order = ROUTERS[i % 3:] + ROUTERS[: i % 3]
         for name in order:
-            router = routers[name]
             started = time.perf_counter()
-            if name == "mol2":
-                router.decide(h19, state=state)
-            else:
-                router.decide(state, h19)
+            routers[name].decide(query, options)
             records.append({"router": name, "bucket": bucket, "tokens": len(tokens),
                             "ms": (time.perf_counter() - started) * 1e3})
     return records
@@ -175,7 +170,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--mol-tokens", type=int, default=64, help="MoL's label + reason budget (seed: 64)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--artifacts", default="artifacts")
+    parser.add_argument("--demo", default=None, help="a demo folder (default: the one every command uses, ced/demo.py)")
+    parser.add_argument("--artifacts", default=None,
+                        help="where `mol2 build demo` writes ARTIFACTS/demo, and its corpus (default: artifacts/)")
     parser.add_argument("--json", default=None, help="write the table rows as JSON")
     add_plot_option(parser, "artifacts/benchmarks/router_latency.png")
     args = parser.parse_args(argv)
@@ -184,19 +181,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.quick:
         args.samples_per_bucket, args.mol_tokens = 1, min(args.mol_tokens, 16)
 
+    from ced.demo import WORK_ROOT, resolve_demo
     from mol2_router.builders import adapter_candidates
     from mol2_router.features import RouteTokenizer
-    from mol2_router.pipeline import demo_engine, resolve_demo
+    from mol2_router.pipeline import demo_engine
 
-    demo = resolve_demo(args.artifacts)
+    demo = resolve_demo(args.demo, args.artifacts)
+    print(demo.describe())
     engine = demo_engine(demo, args.artifacts)
     tokenizer = RouteTokenizer(demo.tokenizer)
-    routers, notes = build_routers(engine, demo, tokenizer, adapter_candidates(demo.adapters_dir), args.mol_tokens)
-    stream = corpus_tokens(tokenizer, Path(args.artifacts))
-    records = measure(engine, routers, stream, args.samples_per_bucket, args.seed)
+    options = adapter_candidates(demo.adapters_dir)
+    routers, notes = build_routers(engine, demo, tokenizer, options, args.mol_tokens)
+    stream = corpus_tokens(tokenizer, Path(args.artifacts or WORK_ROOT))
+    records = measure(engine, routers, options, stream, args.samples_per_bucket, args.seed)
     rows = summarize(records)
-    print(f"\nbackbone: {demo.model_dir} ({'trained' if demo.trained else 'untrained, seeded random weights'}); "
-          f"threads={args.threads}; MoL decodes up to {args.mol_tokens} tokens under random_l0")
+    print(f"\n{demo.describe()}; threads={args.threads}; MoL decodes up to {args.mol_tokens} tokens under random_l0")
     for note in notes:
         print(note)
     print(markdown_table(rows, COLUMNS))

@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     from python_backend.launcher import Ports, running
     from python_backend.serve_cli import prepare_demo
-    from python_backend.serving import ROOT
+    from python_backend.settings import ROOT
 
     model_dir = prepare_demo()
     env = {"MOL2_ENGINE": args.engine}

@@ -11,22 +11,23 @@ from pathlib import Path
 
 
 def chat(args: argparse.Namespace) -> None:
-    from .demo import SCRIPT, demo_artifacts
+    from .demo import BASE_NAME, SCRIPT, resolve_demo
     from .engine import CEDEngine, SamplingParams
     from .model import CEDForCausalLM
     from .tokenization import ChatTokenizer
 
-    artifacts = demo_artifacts(args.artifacts)
-    model = CEDForCausalLM.from_pretrained(artifacts.model_dir)
+    demo = resolve_demo(args.demo, args.artifacts)
+    print(demo.describe())
+    model = CEDForCausalLM.from_pretrained(demo.model_dir)
     engine = CEDEngine(model, max_adapters=8, max_rank=16)
-    for name, path in artifacts.adapters.items():
+    for name, path in demo.adapters.items():
         engine.adapters.load(name, path)
-    tokenizer, config = ChatTokenizer(artifacts.model_dir), engine.config
+    tokenizer, config = ChatTokenizer(demo.model_dir), engine.config
     print(f"demo model: {config.n_layers} layers (encoder 0-{config.decoder_start - 1}, decoder "
           f"{config.decoder_start}-{config.n_layers - 1}), W={config.window}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
-          f"adapters: {', '.join(artifacts.adapters)}")
-    if not artifacts.trained:
+          f"adapters: {', '.join(demo.adapters)}")
+    if not demo.trained:
         print("weights and adapters are untrained (seeded random): replies are noise; costs and bytes are real\n")
 
     state = engine.new_conversation()
@@ -46,8 +47,8 @@ def chat(args: argparse.Namespace) -> None:
                                      tokenizer.stop_ids))
         sizes = state.nbytes()
         shown = tokenizer.decode(reply).encode("unicode_escape").decode()[:48]
-        print(f"{number:>4}  {str(adapter):<8} {len(user):>5} {state.length:>8} {replayed:>8} {replay_ms:>9.1f} "
-              f"{sizes['shared']:>13,} {sizes['adapter_bound']:>13,}  {shown}")
+        print(f"{number:>4}  {adapter or BASE_NAME:<8} {len(user):>5} {state.length:>8} {replayed:>8} "
+              f"{replay_ms:>9.1f} {sizes['shared']:>13,} {sizes['adapter_bound']:>13,}  {shown}")
     print(f"\n{len(script)} turns, {state.length} tokens of history held once; replay never exceeded "
           f"W={config.window} positions; {engine.stats.prefilled_positions} positions prefilled in total.")
 
@@ -61,7 +62,9 @@ def register(commands, **options) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
-    p.add_argument("--artifacts", type=Path, default=None,
+    p.add_argument("--demo", type=Path, default=None,
                    help="a demo folder (model/ + adapters/), or a new folder to build an untrained demo in; default: "
-                        "models/demo if trained, else the untrained demo built under artifacts/demo-untrained")
+                        "ARTIFACTS/demo when built, else models/demo, else the untrained demo (ced/demo.py)")
+    p.add_argument("--artifacts", type=Path, default=None,
+                   help="where `mol2 build demo` writes ARTIFACTS/demo (default: the project's artifacts/)")
     p.set_defaults(run=chat)

@@ -10,9 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-import torch
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes: the config is read where torch is not loaded
 
 
 class ConfigError(ValueError):
@@ -105,8 +103,10 @@ class CEDConfig:
     # -- derived facts -------------------------------------------------------------------------------------
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def encoder_layers(self) -> range:

@@ -10,9 +10,11 @@ import os
 import shutil
 from pathlib import Path
 
-from .engine import CEDEngine
-from .engine_files import MANIFEST_FILE, config_fingerprint, weights_fingerprint
-from .model import CEDForCausalLM
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where an engine is built: the settings read ENGINE_KINDS without loading torch
+    from .engine import CEDEngine
+    from .model import CEDForCausalLM
 
 ENGINE_KINDS = ("torch", "onnxruntime", "tensorrt")
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,12 +23,17 @@ ROOT = Path(__file__).resolve().parents[1]
 def default_engine_dir(model: CEDForCausalLM, kind: str) -> Path:
     """Where a built engine of `model` is cached when no folder is given: named by its fingerprints, so another
     model (or retrained weights) never picks up a stale build."""
+    from .engine_files import config_fingerprint, weights_fingerprint
+
     return ROOT / "artifacts/engines" / f"{config_fingerprint(model.ced)}-{weights_fingerprint(model)}" / kind
 
 
 def ensure_onnx_engine(model_dir: str | Path, model: CEDForCausalLM | None = None) -> Path:
     """The cached ONNX build of the model in `model_dir`, exported now if missing. Safe when several processes
     (Triton's prefill and decode models) start at once: each exports into its own folder, the first rename wins."""
+    from .engine_files import MANIFEST_FILE
+    from .model import CEDForCausalLM
+
     model = model or CEDForCausalLM.from_pretrained(str(model_dir))
     engine_dir = default_engine_dir(model, "onnx")
     if not (engine_dir / MANIFEST_FILE).is_file():
@@ -52,6 +59,9 @@ def make_engine(kind: str, model_dir: str | Path, max_adapters: int = 8, max_ran
     """
     if kind not in ENGINE_KINDS:
         raise ValueError(f"unknown engine kind {kind!r}; choose one of {ENGINE_KINDS}")
+    from .engine import CEDEngine
+    from .model import CEDForCausalLM
+
     model = CEDForCausalLM.from_pretrained(str(model_dir))
     if kind == "torch":
         return CEDEngine(model, max_adapters, max_rank)

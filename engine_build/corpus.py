@@ -23,26 +23,25 @@ Output (`build_corpus(out, config)`): `<domain>.train.jsonl` and `<domain>.valid
 builder version, the settings, per-source counts (files, documents, bytes before and after the cap), per
 domain/split counts and the sha256 of every output file.
 
+The files are read by `sources.py` (the readers that the routing data and HeteroFold share); this module picks,
+cleans and formats their records into documents.
+
 Determinism: files are visited in sorted order, symlinks are skipped, every choice (split, size cap, prompt
 template) is a hash of the document id and `seed`, and records are written sorted by id with sorted keys. The
 manifest holds no time stamps and no output path, so two builds from the same inputs are byte-identical.
-A document goes to validation when the hash of its id falls under `valid_fraction` (`split_of`).
+A document goes to validation when the hash of its id falls under `valid_fraction` (`CorpusConfig.split_of`).
 """
 from __future__ import annotations
 
 import ast
-import bz2
-import gzip
 import hashlib
 import inspect
 import json
-import lzma
 import os
 import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -50,7 +49,10 @@ from typing import Callable, Iterable, Iterator
 
 from tqdm import tqdm
 
-from .manpages import ManPage, parse_man
+from .manpages import ManPage
+from .sources import (DebianLists, SourceMissing, decode, fortune_files, man_files, read_debian, read_fortunes,
+                      read_man_page, read_python_sources, split_of, unit_hash, walk_sorted)
+from .sources import default_stdlib as _default_stdlib  # the name engine_build/cli.py knows it by
 
 BUILDER_VERSION = "1.0"
 DOMAINS = ("chat", "agent", "coding", "design", "general")
@@ -67,12 +69,6 @@ DEFAULT_CAPS = {  # bytes of document text kept per source, chosen by hash order
     "design": 12 * MB,
 }
 DESIGN_SUFFIXES = (".css", ".svg", ".html", ".htm", ".ui", ".glade")
-APT_HELPER = "/usr/lib/apt/apt-helper"  # decompresses apt's list files (.lz4 among them)
-
-
-def _default_stdlib() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
 
 @dataclass
 class CorpusConfig:
@@ -98,6 +94,10 @@ class CorpusConfig:
                 setattr(self, name, Path(os.path.abspath(value)))
         self.design_roots = tuple(Path(os.path.abspath(p)) for p in self.design_roots)
         assert 0.0 <= self.valid_fraction < 1.0, self.valid_fraction
+
+    def split_of(self, doc_id: str) -> str:
+        """'valid' for about `valid_fraction` of ids, 'train' otherwise; depends on nothing but the id and seed."""
+        return split_of(doc_id, (("valid", self.valid_fraction),), salt=f"split:{self.seed}")
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -138,25 +138,11 @@ class SourceStats:
     bytes: int = 0
 
 
-class SourceMissing(Exception):
-    """The source's root is absent or holds nothing usable on this machine."""
-
-
 # --------------------------------------------------------------------------------------------- hashing
 
 
-def _unit_hash(key: str) -> float:
-    """A stable number in [0, 1) from a string (first 8 bytes of its sha256)."""
-    return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big") / 2.0**64
-
-
-def split_of(doc_id: str, valid_fraction: float = 0.02, seed: int = 0) -> str:
-    """'valid' for about `valid_fraction` of ids, 'train' otherwise; depends on nothing but its arguments."""
-    return "valid" if _unit_hash(f"split:{seed}:{doc_id}") < valid_fraction else "train"
-
-
 def _pick(options: tuple[str, ...], key: str) -> str:
-    return options[int(_unit_hash(f"pick:{key}") * len(options))]
+    return options[int(unit_hash(key, "pick") * len(options))]
 
 
 def _sha256_file(path: Path) -> str:
@@ -167,25 +153,7 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-# ------------------------------------------------------------------------------------------ file walking
-
-
-def _walk_sorted(root: Path, skip_dirs: frozenset[str] = frozenset()) -> Iterator[Path]:
-    """Regular files under root in sorted order, symlinks (files and folders) skipped."""
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames
-                             if d not in skip_dirs and not os.path.islink(os.path.join(dirpath, d)))
-        for name in sorted(filenames):
-            p = Path(dirpath, name)
-            if not p.is_symlink() and p.is_file():
-                yield p
-
-
-def _decode(data: bytes, strict: bool = False) -> str | None:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return None if strict else data.decode("latin-1")
+# ------------------------------------------------------------------------------------------ text
 
 
 def _clean(text: str) -> str:
@@ -214,28 +182,37 @@ def _fill(stats: SourceStats, inputs: list[str], counts: dict):
     stats.files_scanned, stats.files_skipped = counts["files_scanned"], counts["files_skipped"]
 
 
+def _lowest_versions(lists: DebianLists) -> list[dict]:
+    """One record per package, from its lowest version listed (the first of equals): name, section, short, long."""
+    chosen = {}
+    for stanza in lists.packages:
+        old = chosen.get(stanza.package)
+        if old is None or (stanza.version, stanza.md5) < (old.version, old.md5):
+            chosen[stanza.package] = stanza
+    return [{"name": name, "section": chosen[name].section, "short": chosen[name].short,
+             "long": lists.long(chosen[name])} for name in sorted(chosen)]
+
+
 class _Context:
-    """Holds the config and caches scans that several sources share (man pages, stdlib files)."""
+    """Holds the config and caches scans that several sources share (apt lists, man pages, stdlib files)."""
 
     def __init__(self, config: CorpusConfig, progress: bool):
         self.config = config
         self.progress = progress
-        self._debian: tuple[list[dict], dict] | SourceMissing | None = None
+        self._debian: tuple[DebianLists, list[dict]] | SourceMissing | None = None
 
     def debian_records(self, stats: SourceStats) -> list[dict]:
         """Package records from the apt lists, read once for the two sources that use them."""
         if self._debian is None:
-            probe = SourceStats("general")
             try:
-                records = _debian_packages(self, probe)
-                self._debian = records, {"files_scanned": probe.files_scanned, "files_skipped": probe.files_skipped}
-                self._debian_inputs = probe.inputs
+                lists = read_debian(self.config.apt_lists, bar=lambda files: self.bar(files, "apt lists"))
+                self._debian = lists, _lowest_versions(lists)
             except SourceMissing as e:
                 self._debian = e
         if isinstance(self._debian, SourceMissing):
             raise self._debian
-        records, counts = self._debian
-        _fill(stats, self._debian_inputs, counts)
+        lists, records = self._debian
+        _fill(stats, lists.files, {"files_scanned": len(lists.files), "files_skipped": len(lists.unreadable)})
         return records
 
     def bar(self, items, desc: str, total: int | None = None):
@@ -244,149 +221,39 @@ class _Context:
 
     @cached_property
     def man_pages(self) -> tuple[list[tuple[str, ManPage]], dict]:
-        """[(relative path, page)] after the per-family cap, plus scan counts."""
+        """[(relative path, page)] after the per-family cap, plus scan counts. Alias links are left out."""
         root = self.config.man_root
-        if root is None or not root.is_dir():
-            raise SourceMissing(f"no man page folder at {root}")
-        files = []
-        for sec in self.config.man_sections:
-            d = root / f"man{sec}"
-            if d.is_dir():
-                files += [p for p in sorted(d.iterdir()) if p.is_file() and not p.is_symlink()]
+        files = [f for f in man_files(root, self.config.man_sections) if not f.alias]
         if not files:
             raise SourceMissing(f"no man pages under {root}/man[{''.join(self.config.man_sections)}]")
-        families: dict[str, list[Path]] = {}
-        for p in files:
-            families.setdefault(re.split(r"[-_.]", p.name, maxsplit=1)[0], []).append(p)
+        families: dict[str, list] = {}
+        for f in files:
+            families.setdefault(re.split(r"[-_.]", f.path.name, maxsplit=1)[0], []).append(f)
         chosen = []
-        for fam, paths in families.items():
-            paths = sorted(paths, key=lambda p: _unit_hash(f"family:{self.config.seed}:{p.name}"))
-            chosen += paths[: self.config.man_family_cap]
-        chosen.sort()
+        for members in families.values():
+            members = sorted(members, key=lambda f: unit_hash(f.path.name, f"family:{self.config.seed}"))
+            chosen += members[: self.config.man_family_cap]
+        chosen.sort(key=lambda f: f.path)
         counts = {"files_scanned": len(files), "files_skipped": len(files) - len(chosen)}
         pages = []
-        for p in self.bar(chosen, "man pages"):
-            stem = p.name[:-3] if p.name.endswith(".gz") else p.name
-            try:
-                data = gzip.decompress(p.read_bytes()) if p.name.endswith(".gz") else p.read_bytes()
-            except (OSError, EOFError, gzip.BadGzipFile):
+        for f in self.bar(chosen, "man pages"):
+            page = read_man_page(f)
+            if page is None:
                 counts["files_skipped"] += 1
                 continue
-            name, _, sec = stem.rpartition(".")
-            page = parse_man(_decode(data), name or stem, sec or p.parent.name[3:])
-            if page is None or not page.blocks:
-                counts["files_skipped"] += 1
-                continue
-            pages.append((f"{p.parent.name}/{stem}", page))
+            pages.append((f"{f.folder}/{f.stem}", page))
         return pages, counts
 
     @cached_property
     def stdlib_files(self) -> tuple[list[tuple[str, str]], dict]:
         """[(path relative to the stdlib, source text)] for every readable .py file, plus scan counts."""
-        root = self.config.stdlib_root
-        if root is None or not root.is_dir():
-            raise SourceMissing(f"no Python standard library at {root}")
-        paths = [p for p in _walk_sorted(root, frozenset({"site-packages", "dist-packages", "__pycache__"}))
-                 if p.suffix == ".py"]
-        if not paths:
-            raise SourceMissing(f"no .py files under {root}")
-        out, skipped = [], 0
-        for p in self.bar(paths, "stdlib"):
-            if p.stat().st_size > self.config.max_file_bytes:
-                skipped += 1
-                continue
-            text = _decode(p.read_bytes(), strict=True)
-            if text is None or not text.strip():
-                skipped += 1
-                continue
-            out.append((p.relative_to(root).as_posix(), text))
-        return out, {"files_scanned": len(paths), "files_skipped": skipped}
+        found = read_python_sources(self.config.stdlib_root, max_bytes=self.config.max_file_bytes,
+                                    bar=lambda paths: self.bar(paths, "stdlib"))
+        return ([(f.rel, f.text) for f in found.files],
+                {"files_scanned": found.scanned, "files_skipped": found.skipped})
 
 
 # ------------------------------------------------------------------------------------------ sources
-
-
-def _read_list_file(path: Path) -> str:
-    """An apt list file as text, whatever its compression."""
-    suffix = path.suffix
-    if suffix == ".gz":
-        data = gzip.decompress(path.read_bytes())
-    elif suffix == ".xz":
-        data = lzma.decompress(path.read_bytes())
-    elif suffix == ".bz2":
-        data = bz2.decompress(path.read_bytes())
-    elif suffix in (".lz4", ".zst"):
-        if not os.access(APT_HELPER, os.X_OK):
-            raise OSError(f"{path.name}: needs {APT_HELPER} to decompress")
-        data = subprocess.run([APT_HELPER, "cat-file", str(path)], check=True, capture_output=True).stdout
-    else:
-        data = path.read_bytes()
-    return _decode(data)
-
-
-def _deb822(text: str) -> Iterator[dict[str, str]]:
-    for para in re.split(r"\n[ \t]*\n", text):
-        rec: dict[str, str] = {}
-        key = None
-        for line in para.split("\n"):
-            if line[:1] in (" ", "\t") and key:
-                rec[key] += "\n" + line
-            elif ":" in line:
-                key, _, value = line.partition(":")
-                rec[key] = value.strip()
-        if rec:
-            yield rec
-
-
-def _long_description(lines: str) -> str:
-    """Debian's long-description markup: one leading space, ' .' for a blank line."""
-    out = []
-    for line in lines.split("\n"):
-        line = line[1:] if line.startswith(" ") else line
-        out.append("" if line.strip() == "." else line)
-    return "\n".join(out).strip()
-
-
-def _debian_packages(ctx: _Context, stats: SourceStats) -> list[dict]:
-    """One record per package: name, section, short and long description."""
-    lists = ctx.config.apt_lists
-    if lists is None or not lists.is_dir():
-        raise SourceMissing(f"no apt list folder at {lists}")
-    pkg_files = sorted(p for p in lists.iterdir() if re.search(r"_Packages(\.\w+)?$", p.name))
-    tr_files = sorted(p for p in lists.iterdir() if re.search(r"_i18n_Translation-en(\.\w+)?$", p.name))
-    if not pkg_files:
-        raise SourceMissing(f"no *_Packages files in {lists} (run apt-get update)")
-    stats.inputs = [p.name for p in pkg_files + tr_files]
-    long_by_md5: dict[str, str] = {}
-    packages: dict[str, dict] = {}
-    for path in ctx.bar(pkg_files + tr_files, "apt lists"):
-        stats.files_scanned += 1
-        try:
-            text = _read_list_file(path)
-        except (OSError, subprocess.CalledProcessError, EOFError, lzma.LZMAError):
-            stats.files_skipped += 1
-            continue
-        for rec in _deb822(text):
-            desc = rec.get("Description-en") or rec.get("Description")
-            if not desc or "Package" not in rec:
-                continue
-            short, _, rest = desc.partition("\n")
-            md5 = rec.get("Description-md5") or hashlib.md5((desc + "\n").encode()).hexdigest()
-            if rest.strip():
-                long_by_md5.setdefault(md5, _long_description(rest))
-            if "Description-en" in rec:
-                continue
-            cand = {"name": rec["Package"], "section": rec.get("Section", ""), "short": short.strip(),
-                    "md5": md5, "version": rec.get("Version", "")}
-            old = packages.get(cand["name"])
-            if old is None or (cand["version"], cand["md5"]) < (old["version"], old["md5"]):
-                packages[cand["name"]] = cand
-    records = []
-    for name in sorted(packages):
-        rec = packages[name]
-        rec["long"] = long_by_md5.get(rec["md5"], "")
-        records.append(rec)
-    return records
 
 
 def source_debian(ctx: _Context, stats: SourceStats) -> Iterator[Doc]:
@@ -551,21 +418,16 @@ _FORTUNE_PROMPTS = ("Tell me something.", "Got a fortune for me?", "Say somethin
 
 
 def source_fortunes(ctx: _Context, stats: SourceStats) -> Iterator[Doc]:
-    root = ctx.config.fortune_root
-    if root is None or not root.is_dir():
-        raise SourceMissing(f"no fortune folder at {root} (apt-get install -y fortunes fortunes-min)")
-    stats.inputs = [str(root)]
-    files = [p for p in sorted(root.iterdir())
-             if p.is_file() and not p.is_symlink() and p.suffix not in (".dat", ".u8", ".pdat")]
+    files = fortune_files(ctx.config.fortune_root)
+    stats.inputs = [str(ctx.config.fortune_root)]
     for path in ctx.bar(files, "fortunes"):
         stats.files_scanned += 1
-        entries = re.split(r"^%[ \t]*$", _decode(path.read_bytes()), flags=re.M)
         topic = path.name.replace("-", " and ").replace("_", " ")
-        for i, entry in enumerate(entries):
-            entry = _clean(entry)
+        for fortune in read_fortunes(path):
+            entry = _clean(fortune.text)
             if not entry.strip():
                 continue
-            doc_id = f"fortunes:{path.name}:{i:05d}"
+            doc_id = f"fortunes:{fortune.file}:{fortune.index:05d}"
             turns = [("user", _pick(_FORTUNE_PROMPTS, doc_id).format(topic=topic)), ("assistant", entry)]
             yield Doc(doc_id, "chat", "fortunes", _chat_text(turns), turns)
 
@@ -577,7 +439,7 @@ def source_design(ctx: _Context, stats: SourceStats) -> Iterator[Doc]:
     stats.inputs = [str(r) for r in roots]
     seen: set[str] = set()
     for root in roots:
-        paths = [p for p in _walk_sorted(root, frozenset({"site-packages", "__pycache__"}))
+        paths = [p for p in walk_sorted(root, frozenset({"site-packages", "__pycache__"}))
                  if p.suffix.lower() in DESIGN_SUFFIXES]
         for p in ctx.bar(paths, f"design {root}"):
             stats.files_scanned += 1
@@ -586,7 +448,7 @@ def source_design(ctx: _Context, stats: SourceStats) -> Iterator[Doc]:
                 continue
             data = p.read_bytes()
             digest = hashlib.sha256(data).hexdigest()
-            text = _decode(data, strict=True)
+            text = decode(data, strict=True)
             if text is None or digest in seen or not text.strip():
                 stats.files_skipped += 1
                 continue
@@ -623,7 +485,7 @@ def _apply_cap(docs: list[Doc], cap: int | None, seed: int) -> list[Doc]:
     if cap is None or sum(d.nbytes for d in docs) <= cap:
         return sorted(docs, key=lambda d: d.id)
     kept, total = [], 0
-    for d in sorted(docs, key=lambda d: _unit_hash(f"cap:{seed}:{d.id}")):
+    for d in sorted(docs, key=lambda d: unit_hash(d.id, f"cap:{seed}")):
         if total + d.nbytes <= cap:
             kept.append(d)
             total += d.nbytes
@@ -669,7 +531,7 @@ def build_corpus(out: str | Path, config: CorpusConfig | None = None, progress: 
         docs = sorted(per_domain[domain], key=lambda d: d.id)
         domains[domain] = {}
         for split in ("train", "valid"):
-            chosen = [d for d in docs if split_of(d.id, config.valid_fraction, config.seed) == split]
+            chosen = [d for d in docs if config.split_of(d.id) == split]
             name = f"{domain}.{split}.jsonl"
             with open(out / name, "w", encoding="utf-8", newline="\n") as f:
                 for d in chosen:

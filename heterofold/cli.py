@@ -11,7 +11,7 @@ import torch
 
 from python_backend.launcher import LaunchError
 
-from .families import FAMILIES
+from .registry import directions, family_names
 from .pipeline import N_HELD, N_TRAIN
 from .zoo import ROOT, TrainConfig, load_or_train, trained_steps
 
@@ -85,8 +85,8 @@ def cmd_serve(args) -> None:
         signal.signal(sig, lambda *_: stopping.append(1))
     try:
         wait_ready(process, ports)
-        body = json.dumps({"text_input": "Package grep (utils): GNU grep", "map": maps[0] if maps else
-                           "llama-to-qwen3", "max_tokens": 16})
+        example = maps[0] if maps else "{}-to-{}".format(*directions()[0])    # the map `fit` would write first
+        body = json.dumps({"text_input": "Package grep (utils): GNU grep", "map": example, "max_tokens": 16})
         print(f"ready: HTTP http://{ports.http_url}  gRPC {ports.grpc_url}\ntry:\n  curl -s -X POST "
               f"http://{ports.http_url}/v2/models/heterofold/generate -d '{body}'")
         while not stopping and not args.ready_only:
@@ -111,7 +111,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"training steps of a zoo model that fit or apply trains on first use (default: "
                         f"{TrainConfig.steps}); a zoo model already under --root is used as it is")
     sub = p.add_subparsers(dest="cmd", required=True)
-    fams = sorted(FAMILIES)
+    fams = sorted(family_names())
 
     def pair_args(sp):
         sp.add_argument("--sender", choices=fams, required=True)

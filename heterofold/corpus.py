@@ -1,22 +1,28 @@
 """Offline real text: Debian package descriptions, man pages, fortunes, Python stdlib docstrings.
 
-Every document is assigned to one split (train / calib / heldout) by a hash of its text, so the zoo's training
-text, the calibration prompts and the evaluation text never overlap, whatever order the sources are read in.
+The files are read by `engine_build.sources` (the readers the demo corpus and the routing data use too); this
+module keeps what HeteroFold wants of them. Every document is assigned to one split (train / calib / heldout) by
+the shared `split_of` over a hash of its text, so the zoo's training text, the calibration prompts and the
+evaluation text never overlap, whatever order the sources are read in.
 """
 from __future__ import annotations
 
 import ast
-import gzip
 import hashlib
 import json
 import random
 import re
-import subprocess
-import sys
 import unicodedata
 from pathlib import Path
 
+from engine_build.sources import (SourceMissing, default_stdlib, fortune_files, man_files, read_debian, read_fortunes,
+                                  read_man_page, read_python_sources, split_of)
+
 SPLITS = ("train", "calib", "heldout")
+SHARES = (("calib", 0.1), ("heldout", 0.1))  # of the documents, by the hash of their text; train takes the rest
+APT_LISTS = Path("/var/lib/apt/lists")
+MAN_ROOT = Path("/usr/share/man")
+FORTUNE_ROOT = Path("/usr/share/games/fortunes")
 
 
 def _clean(text: str) -> str:
@@ -26,82 +32,60 @@ def _clean(text: str) -> str:
     return text.strip()
 
 
-def debian_descriptions(limit: int = 6000) -> list[str]:
-    """Package records from `apt-cache dumpavail` (empty when apt has no lists)."""
+def debian_descriptions(limit: int = 6000, apt_lists: Path = APT_LISTS) -> list[str]:
+    """Packages whose long description has two lines or more (none when apt has no lists)."""
     try:
-        out = subprocess.run(["apt-cache", "dumpavail"], capture_output=True, text=True, timeout=120).stdout
-    except (OSError, subprocess.SubprocessError):
+        lists = read_debian(apt_lists)
+    except SourceMissing:
         return []
-    docs = []
-    for record in out.split("\n\n"):
-        fields, desc, in_desc = {}, [], False
-        for line in record.splitlines():
-            if in_desc and line.startswith(" "):
-                desc.append("" if line.strip() == "." else line.strip())
-                continue
-            in_desc = False
-            key, _, value = line.partition(":")
-            if key == "Description":
-                in_desc, desc = True, [value.strip()]
-            elif key in ("Package", "Section"):
-                fields[key] = value.strip()
-        if "Package" in fields and len(desc) > 2:
-            body = desc[0] + ".\n" + " ".join(desc[1:])
-            docs.append(f"Package {fields['Package']} ({fields.get('Section', 'misc')}): {body}")
+    docs, seen = [], set()
+    for stanza in lists.packages:
+        long = lists.long(stanza)
+        if stanza.package in seen or "\n" not in long:
+            continue
+        seen.add(stanza.package)
+        body = " ".join(line.strip() for line in long.split("\n"))
+        docs.append(f"Package {stanza.package} ({stanza.section or 'misc'}): {stanza.short}.\n{body}")
         if len(docs) >= limit:
             break
     return docs
 
 
-_TROFF_ESC = re.compile(r"\\f[BIRP]|\\f\(..|\\s[+-]?\d|\\\(..|\\[&|^e]|\\\*\(..|\\\*.")
-
-
-def _strip_troff(src: str) -> str:
-    lines = []
-    for line in src.splitlines():
-        if line.startswith(('.\\"', "'\\\"")):
-            continue
-        if line.startswith("."):
-            parts = line.split(None, 1)
-            if len(parts) < 2 or parts[0] not in (".SH", ".SS", ".B", ".I", ".BR", ".IR", ".BI", ".RB", ".IP", ".TP"):
-                continue
-            line = parts[1].replace('"', "")
-        line = _TROFF_ESC.sub("", line).replace("\\-", "-").replace("\\ ", " ").replace("\\", "")
-        lines.append(line)
-    return " ".join(lines)
-
-
-def man_pages(limit: int = 1500, seed: int = 0) -> list[str]:
-    paths = sorted(Path("/usr/share/man").glob("man[1-8]/*.gz"))
-    random.Random(seed).shuffle(paths)
+def man_pages(limit: int = 1500, seed: int = 0, root: Path = MAN_ROOT) -> list[str]:
+    """Up to `limit` pages drawn at random (alias links left out), rendered to text, of more than 300 characters."""
+    try:
+        files = [f for f in man_files(root, "12345678") if not f.alias]
+    except SourceMissing:
+        return []
+    random.Random(seed).shuffle(files)
     docs = []
-    for p in paths[:limit]:
-        try:
-            text = _strip_troff(gzip.open(p, "rt", errors="replace").read())
-        except (OSError, EOFError):
-            continue
+    for file in files[:limit]:
+        page = read_man_page(file)
+        text = page.render() if page is not None else ""
         if len(text) > 300:
             docs.append(text[:6000])
     return docs
 
 
-def fortunes() -> list[str]:
-    docs = []
-    for p in sorted(Path("/usr/share/games/fortunes").glob("*")):
-        if p.suffix or not p.is_file():
-            continue
-        for chunk in p.read_text(errors="replace").split("\n%\n"):
-            if len(chunk.strip()) > 40:
-                docs.append(chunk.strip())
-    return docs
+def fortunes(root: Path = FORTUNE_ROOT) -> list[str]:
+    try:
+        files = fortune_files(root)
+    except SourceMissing:
+        return []
+    entries = (fortune.text.strip() for path in files for fortune in read_fortunes(path))
+    return [entry for entry in entries if len(entry) > 40]
 
 
 def stdlib_docstrings(limit: int = 1500) -> list[str]:
-    root = Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    """Docstrings of over 120 characters from the standard library's first 400 top-level modules."""
+    try:
+        files = read_python_sources(default_stdlib(), max_depth=1).files[:400]
+    except SourceMissing:
+        return []
     docs = []
-    for p in sorted(root.glob("*.py"))[:400]:
+    for file in files:
         try:
-            tree = ast.parse(p.read_text(errors="replace"))
+            tree = ast.parse(file.text)
         except (SyntaxError, ValueError):
             continue
         for node in ast.walk(tree):
@@ -114,11 +98,6 @@ def stdlib_docstrings(limit: int = 1500) -> list[str]:
     return docs[:limit]
 
 
-def split_of(doc: str) -> str:
-    h = int(hashlib.sha1(doc.encode()).hexdigest()[:8], 16) % 20
-    return "train" if h < 16 else ("calib" if h < 18 else "heldout")
-
-
 def build(cache: Path | None = None) -> dict[str, list[str]]:
     """All sources, cleaned, deduplicated, split; cached as JSON when `cache` is given."""
     if cache is not None and cache.exists():
@@ -129,7 +108,7 @@ def build(cache: Path | None = None) -> dict[str, list[str]]:
         if len(doc) < 80 or doc in seen:
             continue
         seen.add(doc)
-        out[split_of(doc)].append(doc)
+        out[split_of(doc, SHARES, salt="heterofold")].append(doc)
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(out))

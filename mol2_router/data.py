@@ -11,11 +11,12 @@ refused with `RouteDataError` naming the file and line.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
+
+from engine_build.sources import unit_hash  # noqa: F401  the data's one hash, importable from here too (benchmarks)
 
 MAX_DESCRIPTION_CHARS = 400  # one option's description; the head sees at most max_option_tokens tokens of it
 MAX_CANDIDATES = 128
@@ -148,12 +149,3 @@ def write_questions(path: str | Path, questions: Iterable[Question]) -> int:
             n += 1
     return n
 
-
-def unit_hash(key: str, salt: str = "") -> float:
-    """A stable number in [0, 1) for `key`: split assignment and sampling that do not depend on order."""
-    return int.from_bytes(hashlib.sha256(f"{salt}:{key}".encode()).digest()[:8], "big") / 2 ** 64
-
-
-def split_of(key: str, dev: float = 0.1, test: float = 0.1, salt: str = "split") -> str:
-    u = unit_hash(key, salt)
-    return "test" if u < test else "dev" if u < test + dev else "train"

@@ -99,27 +99,12 @@ def freeform_questions(candidates: Sequence[Candidate]) -> list[Question]:
             for label, texts in FREEFORM.items() if label in names for i, text in enumerate(texts)]
 
 
-def training_templates() -> list[str]:
-    """The format strings the domain queries are made from (router builders, their requests about each domain
-    (the benchmark-only phrasings too) and the demo corpus)."""
-    from . import asks, builders
-
-    templates = [*builders._CODE_ASKS, *builders._DOC_ASKS, *builders._DESIGN_ASKS]
-    templates += [p for phrasings in asks.PHRASINGS.values() for p in phrasings]
-    try:
-        from engine_build import corpus
-    except ImportError:  # the corpus builder is optional here
-        return templates
-    for name in ("_APT_PROMPTS", "_SYNOPSIS_PROMPTS", "_OPTION_PROMPTS"):
-        templates += list(getattr(corpus, name, ()))
-    return templates
-
-
-def template_hits(text: str, templates: Sequence[str] | None = None) -> list[str]:
-    """The templates that `text` follows: its whole pattern matches, or `text` starts with its fixed opening (the
-    part before the first field). Only fixed text of two words or more counts ("{Desc}." or "{code}" say nothing)."""
+def template_hits(text: str, templates: Sequence[str]) -> list[str]:
+    """The templates (`builders.training_templates()`) that `text` follows: its whole pattern matches, or `text`
+    starts with its fixed opening (the part before the first field). Only fixed text of two words or more counts
+    ("{Desc}." or "{code}" say nothing)."""
     hits = []
-    for template in training_templates() if templates is None else templates:
+    for template in templates:
         parts = re.split(r"\{\w+\}", template)
         pattern = "^" + "(.+)".join(re.escape(p) for p in parts) + "$"
         opening = parts[0].strip()

@@ -1,19 +1,20 @@
 """The end-to-end recipe on the demo model: which checkpoint, which data, extraction, training runs, evaluation.
 
 Layout under `artifacts/router/` (the work folder): `data/*.jsonl`, `features/<model>/...` (H19 shards),
-`runs/<model>/<kind>-<mode>-seed<s>/{last,best}/` (heads) and `history.json`. The served head goes to
-`artifacts/demo/router/` beside the demo adapters.
+`runs/<model>/<kind>-<mode>-seed<s>/{last,best}/` (heads) and `history.json`. The served head goes to the demo's
+router/ beside its adapters (artifacts/demo/router for a fresh build: ced/demo.py says which demo).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from ced.demo import Demo, untrained_demo  # which demo: ced.demo.resolve_demo, the order all commands share
 
 from .config import RouterConfig
 from .data import Question, read_questions
@@ -28,37 +29,7 @@ OPTIONAL_SPLITS = ("domain.freeform",)  # test-only splits, used when their file
 CONTEXTUAL_LIMITS = {"generic.train": 600, "generic.dev": 150, "generic.test": 300}  # its extraction is ~10x dearer
 
 
-@dataclass
-class Demo:
-    model_dir: Path
-    tokenizer: Path
-    adapters_dir: Path
-    trained: bool
-
-    @property
-    def tag(self) -> str:
-        return "demo" if self.trained else "demo-untrained"
-
-
-def resolve_demo(root: str | Path = "artifacts") -> Demo:
-    """The trained demo: a fresh build under ROOT/demo if there is one, else the committed one (models/demo);
-    without either, the untrained demo (built on first use)."""
-    from ced.demo import TRAINED_ROOT, untrained_demo
-
-    root = Path(root)
-    for demo_root in (root / "demo", TRAINED_ROOT):
-        trained = demo_root / "model"
-        if (trained / "model.safetensors").exists():
-            tok = trained / "tokenizer.json"
-            return Demo(trained, tok if tok.exists() else root / "tokenizer" / "tokenizer.json",
-                        demo_root / "adapters", True)
-
-    art = untrained_demo(root / "demo-untrained")
-    return Demo(Path(art.model_dir), root / "tokenizer" / "tokenizer.json", Path(art.model_dir).parent / "adapters",
-                False)
-
-
-def demo_engine(demo: Demo, root: str | Path = "artifacts", log=print):
+def demo_engine(demo: Demo, root: str | Path | None = None, log=print):
     """The demo engine with every adapter of the demo loaded. MoL's `random_l0` is a seeded random adapter of the
     demo shape: when the trained demo has none (yet), the untrained demo's is loaded in its place (noted)."""
     from ced import CEDEngine, CEDForCausalLM
@@ -75,9 +46,7 @@ def demo_engine(demo: Demo, root: str | Path = "artifacts", log=print):
             if log:
                 log(f"note: skipped adapter {path.name}: {str(error)[:160]}")
     if "random_l0" not in engine.adapters:
-        from ced.demo import untrained_demo
-
-        fallback = Path(untrained_demo(Path(root) / "demo-untrained").model_dir).parent / "adapters" / "random_l0"
+        fallback = untrained_demo(None if root is None else Path(root) / "demo-untrained").adapters_dir / "random_l0"
         engine.adapters.load("random_l0", fallback)
         if log:
             log(f"note: {demo.adapters_dir} has no random_l0; MoL uses {fallback} (a seeded random adapter either way)")

@@ -1,8 +1,8 @@
 """The MoL2 router as serving uses it: a trained pointer head, its option cache, and one decision per request.
 
-    router = load_router("artifacts/demo/router")          # head + config + options; embeddings from the backbone
-    decision = router.decide(h19_of_the_user_turn)          # reads H19 only: the conversation state is not touched
-    decision = router.decide(h19, explicit="coding")        # an explicit adapter wins; the head does not run
+    router = load_router(demo.router_dir)          # head + config + options; embeddings from the backbone
+    decision = router.decide(RouteQuery(h19), options)                     # reads H19 only, not the state
+    decision = router.decide(RouteQuery(h19, explicit="coding"), options)  # an explicit adapter wins; no head runs
 
 The option side (route prompt + each adapter's description through the token embedding, then the head's option
 layers) is computed once per adapter set by `set_options` and cached; `decide` runs only the query projection,
@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -27,21 +26,13 @@ from .config import RouterConfig
 from .data import Candidate
 from .features import ROUTE_PROMPT, RouteTokenizer, option_tokens, pad_batch
 from .head import OptionCache, PointerHead
+from .interface import Decision, RouteQuery, Router
 
 EMBEDDING_KEYS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-@dataclass
-class Decision:
-    adapter: str | None  # the chosen (or explicit) adapter
-    routed: bool  # False when an explicit adapter won and no router ran
-    index: int = -1  # into the candidate list; -1 when not routed or no option could be parsed
-    scores: Tensor | None = None  # (N,) the head's logits
-    reason: str = ""  # MoL's decoded text
-    ms: float = 0.0  # decision time
-
-
-class MoL2Router:
+class MoL2Router(Router):
+    name = "mol2"
     max_cached_sets = 8  # option caches kept, one per (route prompt, candidates); the oldest is dropped first
 
     def __init__(self, head: PointerHead, embedding: Tensor, tokenizer: RouteTokenizer,
@@ -91,29 +82,22 @@ class MoL2Router:
             raise RuntimeError("set_options first: no adapter set is cached")
         return self.head.score(h19.float().mean(0, keepdim=True), self.cache)[0]
 
-    def decide(self, h19: Tensor | None, explicit: str | None = None, state=None) -> Decision:
-        """One request. `state` is accepted for a uniform router interface and never read or written."""
-        if explicit is not None:
-            return Decision(explicit, routed=False)
+    def route(self, query: RouteQuery) -> Decision:
+        """Reads the turn's H19 only; the query's state is neither read nor written."""
+        h19 = query.need("h19", self.name)
         started = time.perf_counter()
-        logits = self.scores(h19)
-        index = int(logits.argmax())
-        return Decision(self.candidates[index].name, True, index, logits, ms=(time.perf_counter() - started) * 1e3)
+        return self._pick(self.scores(h19), ms=(time.perf_counter() - started) * 1e3)
 
     @torch.inference_mode()
-    def decide_batch(self, h19s: Sequence[Tensor | None], explicit: Sequence[str | None]) -> list[Decision]:
-        """Precedence per request: rows with an explicit adapter keep it; the others share one head call."""
-        if len(h19s) != len(explicit):
-            raise ValueError(f"{len(h19s)} requests but {len(explicit)} explicit entries")
-        decisions: list[Decision | None] = [Decision(e, routed=False) if e is not None else None for e in explicit]
-        todo = [i for i, e in enumerate(explicit) if e is None]
-        if todo:
-            pooled = torch.stack([h19s[i].float().mean(0) for i in todo])
-            logits = self.head.score(pooled, self.cache)
-            for row, i in enumerate(todo):
-                index = int(logits[row].argmax())
-                decisions[i] = Decision(self.candidates[index].name, True, index, logits[row])
-        return decisions
+    def route_batch(self, queries: Sequence[RouteQuery]) -> list[Decision]:
+        """One head call for every query: each turn's H19 pooled to a row."""
+        pooled = torch.stack([q.need("h19", self.name).float().mean(0) for q in queries])  # (B, C)
+        return [self._pick(row) for row in self.head.score(pooled, self.cache)]  # (B, N)
+
+    def _pick(self, logits: Tensor, ms: float = 0.0) -> Decision:
+        """logits (N,) over the current options -> the decision for the best one."""
+        index = int(logits.argmax())
+        return Decision(self.candidates[index].name, True, index, logits, ms=ms)
 
     @torch.inference_mode()
     def score_pooled(self, pooled: Tensor) -> Tensor:

@@ -18,9 +18,10 @@ from ced.engine import SamplingParams
 from .detokenize import window
 from .metrics import Counters
 from .seal import DECODE, RETURNED, Sealer, decode_fields, returned_fields
-from .serving import Served, ServingSettings, triton_parameters
-from .stages import DecodeRequest, DecodeStage, RequestError, TransferMeta
-from .triton_io import (Outputs, as_scalar, as_text, failure_response, optional, require_decoupled, required,
+from .serving import Served
+from .settings import ServingSettings, triton_parameters
+from .stages import DecodeRequest, DecodeStage, TransferMeta
+from .triton_io import (RequestError, Outputs, as_scalar, as_text, failure_response, optional, require_decoupled, required,
                         requested_outputs, response)
 
 

@@ -8,7 +8,7 @@ from ced.model import CEDForCausalLM
 from ced.tokenization import ChatTokenizer
 
 from .detokenize import check_ids, text_delta
-from .serving import ServingSettings, triton_parameters
+from .settings import ServingSettings, triton_parameters
 from .triton_io import Outputs, as_scalar, required, respond_each
 
 

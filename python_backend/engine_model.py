@@ -28,9 +28,9 @@ from .metrics import Counters
 from .scheduler import CancelledTurn, Scheduler, Turn
 from .adapter_set import sync_registry
 from .serving import Served
-from .stages import BASE_NAME, DecodeStage, RequestError, RouterStage
+from .stages import BASE_NAME, DecodeStage, RouterStage
 from .store import check_id
-from .triton_io import (as_scalar, as_text, error_response, json_tensor, optional, required, requested_outputs, response,
+from .triton_io import (RequestError, as_scalar, as_text, error_response, json_tensor, optional, required, requested_outputs, response,
                         text_tensor)
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 
 from .seal import PREFILL, Sealer, prefill_fields
-from .serving import Served, ServingSettings, triton_parameters
+from .serving import Served
+from .settings import ServingSettings, triton_parameters
 from .stages import PrefillStage
 from .triton_io import Outputs, as_scalar, as_text, optional, required, respond_each
 

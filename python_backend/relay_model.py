@@ -9,9 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ced.model import CEDForCausalLM
 
-from .front import PASSED_ON, Relay, bls_call
+from .bls import bls_call
+from .front import PASSED_ON, Relay
 from .seal import Sealer
-from .serving import ServingSettings, triton_parameters
+from .settings import ServingSettings, triton_parameters
 from .triton_io import Outputs, failure_response, optional, require_decoupled, requested_outputs, response
 
 FIELDS = ("text_input", "conversation_id", "adapter", *PASSED_ON)

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 from .adapter_set import parse_adapter_set
-from .serving import ROOT
+from .settings import ROOT
 
 TEMPLATES = ROOT / "model_repository"
 _SET_NAME = re.compile(r"^[a-z0-9_]{1,40}$")

@@ -4,9 +4,9 @@ BLS (python_backend/front.py); returns the adapter a routed turn would get, for 
 
 from __future__ import annotations
 
-from .front import bls_call, prefill_and_route
+from .bls import bls_call, prefill_and_route
 from .seal import Sealer
-from .serving import triton_parameters
+from .settings import triton_parameters
 from .triton_io import Outputs, as_text, optional, required, respond_each
 
 

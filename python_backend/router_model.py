@@ -10,9 +10,10 @@ import torch
 
 from .metrics import Counters
 from .routing import load_scorer
-from .serving import Served, ServingSettings, triton_parameters
-from .stages import RequestError, RouterStage, TransferMeta
-from .triton_io import Outputs, as_scalar, as_text, optional, required, respond_each
+from .serving import Served
+from .settings import ServingSettings, triton_parameters
+from .stages import RouterStage, TransferMeta
+from .triton_io import Outputs, RequestError, as_scalar, as_text, optional, required, respond_each
 
 
 class RouterModel:

@@ -40,7 +40,8 @@ from ced.paged import Resident
 from ced.prefix_cache import CachedPrefix, PrefixCache
 from ced.tokenization import ChatTokenizer
 
-from .stages import RequestError, RouteDecision
+from .stages import RouteDecision
+from .triton_io import RequestError
 from .store import ConversationStore
 
 log = logging.getLogger(__name__)

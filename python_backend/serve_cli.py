@@ -18,16 +18,17 @@ from .guard import Guard, GuardLimits, ServerState, serve_guard
 from .launcher import LaunchError, Ports, port_in_use, start
 from .roles import PAIR_SECRET, build_prefill_repository, decode_models, single_server_models
 from .seal import SECRET_VARIABLE, SealError, create_secret_file
-from .serving import ROOT, demo_model_dir, write_demo_adapter_set
+from .settings import ROOT, write_demo_adapter_set
 from .store import StoreHold, StoreInUse, hold_store
 from .supervisor import Peer, Supervisor
 
 def prepare_demo() -> Path:
-    """The served model: the trained demo if built, else the untrained one (built on first use)."""
-    from ced.demo import demo_artifacts
+    """The served model: the demo every command uses (ced/demo.py), the one the Triton models find too."""
+    from ced.demo import resolve_demo
 
-    demo_artifacts()  # builds the untrained demo on first use when no trained one is committed
-    model_dir = demo_model_dir()
+    demo = resolve_demo()  # the untrained one is built here, once, before the model processes start
+    print(demo.describe())
+    model_dir = demo.model_dir
     if not (model_dir.parent / "adapter_set.json").is_file():
         write_demo_adapter_set(model_dir)
     return model_dir

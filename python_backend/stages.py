@@ -30,12 +30,9 @@ from .fnv import BASE
 from .store import ConversationStore
 from ced.tokenization import ChatTokenizer
 from .transfer import decode_state, encode_state
+from .triton_io import RequestError
 
 BASE_NAME = "base"  # the explicit `adapter` value that asks for no adapter
-
-
-class RequestError(ValueError):
-    """A request the server refuses; the message goes back to the client."""
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ced.tokenization import ChatTokenizer
 
-from .serving import ServingSettings, triton_parameters
+from .settings import ServingSettings, triton_parameters
 from .triton_io import Outputs, as_text, required, respond_each
 
 

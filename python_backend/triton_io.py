@@ -8,6 +8,10 @@ import traceback
 import numpy as np
 
 
+class RequestError(ValueError):
+    """A request the server refuses; the message goes back to the client."""
+
+
 def optional(pb, request, name: str):
     tensor = pb.get_input_tensor_by_name(request, name)
     return None if tensor is None else tensor.as_numpy()

@@ -9,17 +9,17 @@ from mol2_cli import main
 
 
 def test_chat_demo_prints_replay_and_bytes(tmp_path, capsys):
-    main(["chat", "--turns", "3", "--max-tokens", "4", "--threads", "1", "--artifacts", str(tmp_path / "demo")])
+    main(["chat", "--max-tokens", "2", "--threads", "1", "--demo", str(tmp_path / "demo")])
     out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"demo: {tmp_path / 'demo'} (untrained: seeded random weights; named explicitly)"
     rows = [line.split() for line in out.splitlines() if line[:4].strip().isdigit()]
-    assert [row[1] for row in rows] == ["chat", "agent", "coding"]
+    assert [row[1] for row in rows] == ["chat", "agent", "coding", "design", "coding", "chat", "base"]  # as served
     replayed = [int(row[4]) for row in rows]
     assert all(0 < r <= 128 for r in replayed) and replayed[-1] == 128
-    assert "untrained" in out
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "elsewhere" / "notes.txt").write_text("not a demo")
     with pytest.raises(SystemExit) as exit_info:          # a wrong folder is refused, not filled with a demo
-        main(["chat", "--artifacts", str(tmp_path / "elsewhere")])
+        main(["chat", "--demo", str(tmp_path / "elsewhere")])
     assert str(exit_info.value.code).startswith(f"mol2 chat: error: {tmp_path / 'elsewhere'} holds no demo")
     assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == ["notes.txt"]
 

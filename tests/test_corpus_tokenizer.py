@@ -167,13 +167,13 @@ def test_missing_sources_are_reported(roots, tmp_path):
 
 def test_split_is_stable():
     ids = [f"doc:{i}" for i in range(4000)]
-    first = [C.split_of(i, 0.02, 0) for i in ids]
-    assert first == [C.split_of(i, 0.02, 0) for i in ids]
+    cfg = C.CorpusConfig()
+    first = [cfg.split_of(i) for i in ids]
+    assert first == [C.CorpusConfig(valid_fraction=0.02, seed=0).split_of(i) for i in ids]
     assert 40 <= first.count("valid") <= 120  # about 2%
-    assert C.split_of("man:man1/ls.1") == C.split_of("man:man1/ls.1", 0.02, 0)
-    assert [C.split_of(i, 0.02, 1) for i in ids] != first  # the seed salts it
+    assert [C.CorpusConfig(seed=1).split_of(i) for i in ids] != first  # the seed salts it
     # growing the validation share only moves documents from train to valid
-    wider = [C.split_of(i, 0.05, 0) for i in ids]
+    wider = [C.CorpusConfig(valid_fraction=0.05).split_of(i) for i in ids]
     assert all(w == "valid" for f, w in zip(first, wider) if f == "valid")
 
 

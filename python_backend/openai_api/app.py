@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ..serving import ServingSettings
+from ..settings import ServingSettings
 from .adapters import AdapterManager
 from .engine_client import EngineClient, EngineRequest
 from .generation import Generation

@@ -1,10 +1,8 @@
 """Tiny models and tokenizers built in the test (never the cached, trained zoo)."""
-from dataclasses import replace
-
 import pytest
 import torch
 
-from heterofold.families import FAMILIES, Adapter
+from heterofold.registry import adapter_for, family, family_names
 from heterofold.tokenizer import TextTokenizer
 
 TEXTS = [
@@ -16,17 +14,9 @@ TEXTS = [
 ] * 4
 
 
-def tiny(name: str, **kw):
-    base = dict(layers=2, hidden=32, heads=4, intermediate=64)
-    base.update(kw)
-    return replace(FAMILIES[name], **base)
-
-
-TINY = {
-    "llama": tiny("llama", kv_heads=2, head_dim=8),
-    "qwen3": tiny("qwen3", layers=3, kv_heads=1, head_dim=12),
-    "mistral": tiny("mistral", kv_heads=2, head_dim=6),
-}
+# Every registered family at its test size (heterofold/registry.py), in registration order (a family's seed is its
+# index): a new family is picked up by every test parametrized over `family_names()`.
+TINY = {name: family(name).tiny_spec() for name in family_names()}
 
 
 @pytest.fixture(scope="session")
@@ -41,8 +31,10 @@ def tiny_specs():
 
 @pytest.fixture(scope="session")
 def tokenizers():
-    return {"llama": TextTokenizer.build("bpe", TEXTS, 300), "qwen3": TextTokenizer.build("qwen", TEXTS, 300),
-            "mistral": TextTokenizer.build("cl100k", TEXTS, 300)}
+    """Each family's own tokenizer; families of one tokenizer kind share one (it would be built identically)."""
+    kinds = {spec.tokenizer for spec in TINY.values()}
+    built = {kind: TextTokenizer.build(kind, TEXTS, 300) for kind in sorted(kinds)}
+    return {name: built[spec.tokenizer] for name, spec in TINY.items()}
 
 
 @pytest.fixture(scope="session")
@@ -51,7 +43,7 @@ def tiny_models(tokenizers):
     out = {}
     for i, (name, spec) in enumerate(TINY.items()):
         model = spec.build(tokenizers[name].vocab_size, seed=i, max_positions=512, attn="eager")
-        out[name] = Adapter(model, spec)
+        out[name] = adapter_for(model, spec)
     return out
 
 

@@ -97,5 +97,18 @@ def test_apply_on_an_empty_text_and_an_unknown_family_say_so(served_root):
     with pytest.raises(SystemExit) as e:
         main(["--root", str(served_root), "apply", "--sender", "llama", "--receiver", "qwen3", "  "])
     assert str(e.value.code) == "heterofold apply: error: the text is empty: the sender has nothing to prefill"
-    with pytest.raises(ValueError, match="unknown model family 'gpt2': the zoo has llama, mistral, qwen3"):
+    from heterofold.registry import family_names
+
+    known = ", ".join(sorted(family_names()))
+    with pytest.raises(ValueError, match=f"unknown model family 'gpt2': the registered families are {known}"):
         zoo.load("gpt2", served_root)
+
+
+def test_family_choices_are_the_registered_families(capsys):
+    from heterofold.registry import family_names
+
+    with pytest.raises(SystemExit) as e:
+        main(["fit", "--sender", "gpt2", "--receiver", "llama"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'gpt2'" in err and all(repr(name) in err for name in family_names())

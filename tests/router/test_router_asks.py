@@ -8,7 +8,7 @@ import gzip
 import pytest
 
 from mol2_router.asks import (BENCH_ONLY_PHRASINGS, PHRASINGS, _imperative, _man_summaries, _module_summaries,
-                              _third_person, ask_queries)
+                              _stdlib_sources, _third_person, ask_queries)
 
 
 @pytest.mark.parametrize("phrase,expected", [
@@ -35,8 +35,8 @@ def test_module_summaries_strip_the_module_name_and_the_period(tmp_path):
     (tmp_path / "bisect.py").write_text('# comment\n"""Bisection algorithms."""\n')
     (tmp_path / "_private.py").write_text('"""Hidden helpers for the rest."""\n')
     (tmp_path / "quiet.py").write_text("x = 1\n")
-    assert sorted(_module_summaries(tmp_path)) == [("bisect", "bisection algorithms"),
-                                                   ("csv", "read/write/investigate CSV files")]
+    assert sorted(_module_summaries(_stdlib_sources(tmp_path))) == [("bisect", "bisection algorithms"),
+                                                                     ("csv", "read/write/investigate CSV files")]
 
 
 def test_man_summaries_from_roff(tmp_path):

@@ -7,9 +7,10 @@ import json
 
 import pytest
 
-from mol2_router.builders import _CODE_ASKS, _DESIGN_ASKS, _DOC_ASKS, adapter_candidates, write_freeform
+from mol2_router.builders import (_CODE_ASKS, _DESIGN_ASKS, _DOC_ASKS, adapter_candidates, training_templates,
+                                  write_freeform)
 from mol2_router.data import read_questions
-from mol2_router.freeform import FREEFORM, freeform_questions, template_hits, training_templates
+from mol2_router.freeform import FREEFORM, freeform_questions, template_hits
 
 
 def test_size_and_classes():
@@ -21,8 +22,9 @@ def test_size_and_classes():
 
 
 def test_no_request_follows_a_training_template():
-    assert len(training_templates()) >= len(_CODE_ASKS + _DOC_ASKS + _DESIGN_ASKS)
-    offenders = {t: template_hits(t) for texts in FREEFORM.values() for t in texts if template_hits(t)}
+    templates = training_templates()
+    assert len(templates) >= len(_CODE_ASKS + _DOC_ASKS + _DESIGN_ASKS)
+    offenders = {t: hits for texts in FREEFORM.values() for t in texts if (hits := template_hits(t, templates))}
     assert not offenders
 
 
@@ -30,7 +32,7 @@ def test_no_request_follows_a_training_template():
                                   "Which tar option does this: list the archive", "Write a Python function that sorts.",
                                   "Set up nginx, please.", "Change the colours here to a dark theme:\nbody {}"])
 def test_template_check_catches_template_made_queries(text):
-    assert template_hits(text)
+    assert template_hits(text, training_templates())
 
 
 def test_written_over_the_domain_candidates(tmp_path):

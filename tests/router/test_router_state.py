@@ -1,5 +1,5 @@
-"""Routing writes no state: MoL2, MoL and Contextual MoL leave the conversation bitwise unchanged; an explicit adapter
-bypasses every head, per request."""
+"""Routing writes no state: MoL2, MoL and Contextual MoL, called alike (`decide(query, options)`), leave the
+conversation bitwise unchanged; an explicit adapter bypasses every head, per request."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from mol2_router import Candidate, ContextualRouter, MoL2Router, MoLRouter, PointerHead, QKHead, RouterConfig, RouteTokenizer
+from mol2_router import (Candidate, ContextualRouter, MoL2Router, MoLRouter, PointerHead, QKHead, RouteQuery,
+                         RouterConfig, RouteTokenizer)
 from mol2_router.features import turn_tokens
 
 CANDIDATES = (Candidate("A1", "small talk and jokes"), Candidate("A2", "shell commands and tools"),
@@ -53,18 +54,21 @@ def routers(engine, tok):
     config = RouterConfig.from_name("tiny")
     return {
         "mol2": MoL2Router(PointerHead(config), engine.model.get_input_embeddings().weight, tok, CANDIDATES),
-        "mol": MoLRouter(engine, tok, CANDIDATES, adapter="L0", max_tokens=6),
-        "contextual": ContextualRouter(engine, QKHead(config.hidden_size, config.d_model), tok, CANDIDATES),
+        "mol": MoLRouter(engine, tok, adapter="L0", max_tokens=6),  # its options come with each decision
+        "contextual": ContextualRouter(engine, QKHead(config.hidden_size, config.d_model), tok),
     }
 
 
-@pytest.mark.parametrize("name", ["mol2", "mol", "contextual"])
+ROUTERS = ["mol2", "mol", "contextual"]
+
+
+@pytest.mark.parametrize("name", ROUTERS)
 def test_routing_leaves_the_state_bitwise_unchanged(engine, conversation, name):
     state, h19, tok = conversation
     router = routers(engine, tok)[name]
     before = copy.deepcopy(state)
-    decision = router.decide(state, h19) if name != "mol2" else router.decide(h19, state=state)
-    assert decision.routed
+    decision = router.decide(RouteQuery(h19, state), CANDIDATES)
+    assert decision.routed and router.name == name
     assert_bitwise_equal(state, before)
     # and the conversation continues exactly as if no routing had happened
     logits, _ = engine.replay(state, "A3")
@@ -77,12 +81,12 @@ def test_mol_baseline_really_wrote_into_its_branch(engine, conversation):
     state, h19, tok = conversation
     mol = routers(engine, tok)["mol"]
     before = engine.stats.prefilled_positions
-    mol.decide(state, h19)
+    mol.decide(RouteQuery(h19, state), CANDIDATES)
     assert engine.stats.prefilled_positions - before >= len(mol.prompt)
     assert state.length == len(state.shared.tokens)
 
 
-@pytest.mark.parametrize("name", ["mol2", "mol", "contextual"])
+@pytest.mark.parametrize("name", ROUTERS)
 def test_explicit_adapter_bypasses_the_router(engine, conversation, name, monkeypatch):
     state, h19, tok = conversation
     router = routers(engine, tok)[name]
@@ -90,16 +94,35 @@ def test_explicit_adapter_bypasses_the_router(engine, conversation, name, monkey
     def boom(*args, **kwargs):
         raise AssertionError("the router ran although the request named its adapter")
 
-    monkeypatch.setattr(engine, "prefill", boom)
-    monkeypatch.setattr(engine, "turn", boom)
-    if name == "mol2":
-        monkeypatch.setattr(router.head, "score", boom)
-        decision = router.decide(h19, explicit="A3")
-    else:
-        if name == "contextual":
-            monkeypatch.setattr(router, "head", boom)
-        decision = router.decide(state, h19, explicit="A3")
-    assert decision.adapter == "A3" and not decision.routed
+    for owner, verb in ((engine, "prefill"), (engine, "turn"), (router, "route"), (router, "route_batch")):
+        monkeypatch.setattr(owner, verb, boom)
+    query = RouteQuery(h19, state, explicit="A3")
+    for decision in (router.decide(query, CANDIDATES), *router.decide_batch([query, query], CANDIDATES)):
+        assert decision.adapter == "A3" and not decision.routed
+
+
+@pytest.mark.parametrize("name, missing", [("mol2", "h19"), ("mol", "state"), ("contextual", "state"),
+                                           ("contextual", "h19")])
+def test_a_query_without_what_the_router_reads_is_named(engine, conversation, name, missing):
+    state, h19, tok = conversation
+    query = dataclasses.replace(RouteQuery(h19, state), **{missing: None})
+    with pytest.raises(ValueError, match=f"the {name} router reads the query's {missing}"):
+        routers(engine, tok)[name].decide(query, CANDIDATES)
+
+
+@pytest.mark.parametrize("name", ROUTERS)
+def test_the_options_of_each_decision_are_the_ones_chosen_from(engine, conversation, name):
+    state, h19, tok = conversation
+    router = routers(engine, tok)[name]
+    router.decide(RouteQuery(h19, state), CANDIDATES)
+    two = CANDIDATES[::2]
+    decision = router.decide(RouteQuery(h19, state), two)
+    assert router.candidates == two and decision.index < 2
+    assert decision.adapter in {c.name for c in two} | ({None} if name == "mol" else set())  # MoL may name none
+    if decision.scores is not None:
+        assert decision.scores.shape == (2,)
+    with pytest.raises(ValueError, match="no options"):
+        router.decide(RouteQuery(h19, state), ())
 
 
 def test_precedence_is_per_request_not_per_batch(engine, conversation):
@@ -113,11 +136,12 @@ def test_precedence_is_per_request_not_per_batch(engine, conversation):
         return score(pooled, cache, *args, **kwargs)
 
     router.head.score = counting
-    decisions = router.decide_batch([h19, h19[:3], None, h19], [None, None, "A2", "A1"])
+    queries = [RouteQuery(h19), RouteQuery(h19[:3]), RouteQuery(explicit="A2"), RouteQuery(h19, explicit="A1")]
+    decisions = router.decide_batch(queries, CANDIDATES)
     assert seen == [2]  # one head call, only the two rows without an explicit adapter
     assert [d.routed for d in decisions] == [True, True, False, False]
     assert [d.adapter for d in decisions][2:] == ["A2", "A1"]
-    alone = router.decide(h19)
+    alone = router.decide(RouteQuery(h19), CANDIDATES)
     assert decisions[0].adapter == alone.adapter
     torch.testing.assert_close(decisions[0].scores, alone.scores)
 

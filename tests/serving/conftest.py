@@ -20,7 +20,7 @@ from mol2_router.router import MoL2Router
 from python_backend.launcher import Ports, running
 from python_backend.repo_build import build
 from python_backend.seal import SECRET_VARIABLE, create_secret_file
-from python_backend.serving import ROOT
+from python_backend.settings import ROOT
 
 ADAPTERS = {"chat": "small talk and jokes", "coding": "Python code"}
 

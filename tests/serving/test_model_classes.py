@@ -20,7 +20,7 @@ from python_backend.route_model import RouteModel
 from python_backend.router_model import RouterModel
 from python_backend.seal import DECODE, PREFILL, SECRET_VARIABLE, Sealer, create_secret_file, decode_fields, \
     prefill_fields
-from python_backend.serving import ROOT
+from python_backend.settings import ROOT
 from python_backend.tokenize_model import TokenizeModel
 from python_backend.triton_io import Outputs
 

@@ -9,10 +9,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from python_backend.front import Relay, StageFailure, bls_call
+from python_backend.bls import StageFailure, bls_call
+from python_backend.front import Relay
 from python_backend.seal import DECODE, PREFILL, RETURNED, SealError, Sealer, decode_fields, prefill_fields, \
     returned_fields
-from python_backend.stages import RequestError
+from python_backend.triton_io import RequestError
 from python_backend.store import ConversationStore
 from python_backend.transfer import encode_state
 

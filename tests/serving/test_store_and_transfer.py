@@ -162,7 +162,8 @@ def test_an_adapter_that_failed_to_load_is_named_with_its_error(engine, adapter_
     import json
 
     from python_backend.adapter_set import parse_adapter_set, sync_registry
-    from python_backend.stages import DecodeStage, RequestError
+    from python_backend.stages import DecodeStage
+    from python_backend.triton_io import RequestError
 
     entries = [{"name": "A1", "path": adapter_dirs["A1"], "description": "fine"},
                {"name": "broken", "path": str(tmp_path / "missing"), "description": "no such directory"}]

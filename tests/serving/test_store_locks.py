@@ -18,7 +18,7 @@ from ced.batched import BatchedEngine
 from ced.tokenization import ChatTokenizer
 from python_backend.limits import LimitError, Limits, parse_size
 from python_backend.scheduler import Scheduler, Turn
-from python_backend.serving import ServingSettings
+from python_backend.settings import ServingSettings
 from python_backend.stages import PrefillStage, RouteDecision
 from python_backend.store import ConversationBusy, ConversationStore, StoreInUse, hold_store
 

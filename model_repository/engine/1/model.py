@@ -6,7 +6,8 @@ import triton_python_backend_utils as pb
 
 from python_backend.engine_model import EngineModel
 from python_backend.routing import load_scorer
-from python_backend.serving import Served, ServingSettings, triton_parameters
+from python_backend.serving import Served
+from python_backend.settings import ServingSettings, triton_parameters
 
 
 class TritonPythonModel:
