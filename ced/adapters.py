@@ -262,6 +262,8 @@ class AdapterRegistry:
         if name in self._records:
             raise AdapterError(f"adapter {name!r} is already loaded (from {self._records[name].path}); use replace")
         free = sorted(set(range(self.n_slots)) - {record.slot for record in self._records.values()})
+        if not self.n_slots:
+            raise AdapterError(f"cannot load {name!r}: this engine was built with no adapter slots (max_adapters=0)")
         if not free:
             raise AdapterError(f"all {self.n_slots} adapter slots are in use; unload one first")
         adapter = self._validated(path)

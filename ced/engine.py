@@ -63,7 +63,9 @@ class CEDEngine:
         self.config = model.ced
         self.prefill_chunk = prefill_chunk
         self.mapping = LoRAMapping()
-        modules = wrap_linears(model, lambda name: placement_violation(name, self.config, placement) is None,
+        # max_adapters=0: no slots at all, the plain model (an adapter-free stage never runs an adapter)
+        modules = wrap_linears(model, lambda name: max_adapters > 0 and
+                               placement_violation(name, self.config, placement) is None,
                                max_adapters, max_rank, self.mapping)
         self.adapters = AdapterRegistry(modules, self.config, max_adapters, max_rank, placement)
         self.stats = EngineStats()

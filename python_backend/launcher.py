@@ -122,7 +122,10 @@ def start(model_repository: Path, ports: Ports, workdir: Path, log_path: Path | 
                f"--http-address={ports.host}", f"--grpc-address={ports.host}", "--allow-metrics=true",
                "--allow-gpu-metrics=false", "--log-verbose=0",
                # Triton loads 4 models at a time by default: a fifth Python model waited for the first four
-               "--model-load-thread-count=16", *extra_args]
+               "--model-load-thread-count=16",
+               # no auto-complete: every config.pbtxt is complete, and auto-complete starts one more stub per
+               # model that imports its model.py (torch for three of them) before the instance's own stub starts
+               "--disable-auto-complete-config", *extra_args]
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
     # cwd: the work folder (it holds only backends/), so that no folder of the caller's working directory can
     # shadow a package the model processes import (their Python puts the working directory on its path)

@@ -6,11 +6,16 @@ and ends it), so a direct call can change nothing. `pb` is passed in, so it is t
 
 from __future__ import annotations
 
+import json
+
 import torch
 
+from ced.tokenization import ChatTokenizer
+
+from .adapter_set import AdapterSetWatcher
 from .metrics import Counters
 from .routing import load_scorer
-from .serving import Served
+from .serving import start_model_process
 from .settings import ServingSettings, triton_parameters
 from .stages import RouterStage, TransferMeta
 from .triton_io import Outputs, RequestError, as_scalar, as_text, optional, required, respond_each
@@ -20,13 +25,16 @@ class RouterModel:
     def __init__(self, pb, model_config: dict):
         self.pb, self.outputs = pb, Outputs(pb, model_config)
         settings = ServingSettings.from_parameters(triton_parameters(model_config))
-        self.served = Served.open(settings, with_adapters=False)
-        self.stage = RouterStage(load_scorer(settings, self.served))
+        start_model_process(settings)
+        # No engine: the head reads only the token embedding (loaded alone) and the adapter set.
+        self.watcher = AdapterSetWatcher(settings.adapter_set)
+        self.stage = RouterStage(load_scorer(settings, tokenizer=ChatTokenizer(settings.model_dir)))
         self.counters = Counters(pb, "router")
-        self.hidden_size = self.served.engine.config.hidden_size  # the size of pooled H19
+        config = json.loads((settings.model_dir / "config.json").read_text())
+        self.hidden_size = config["hidden_size"]  # the size of pooled H19
 
     def execute(self, requests) -> list:
-        self.served.watcher.poll()
+        self.watcher.poll()
         return respond_each(self.pb, requests, self.route, "router")
 
     def finalize(self) -> None:
@@ -40,7 +48,7 @@ class RouterModel:
         if h19.numel() != self.hidden_size:
             raise RequestError(f"_h19 must hold {self.hidden_size} values (H19 pooled by prefill), got {h19.numel()}")
         explicit = as_text(optional(pb, request, "adapter"), "adapter")
-        decision = self.stage.run(self.served.watcher.current, h19, explicit)
+        decision = self.stage.run(self.watcher.current, h19, explicit)
         meta.adapter_hash = decision.adapter_hash
         self.counters.add("mol2_route_only_decisions" if route_only else "mol2_routes_written", decision.adapter)
         if decision.routed:

@@ -1,4 +1,4 @@
-"""The router head the `router` model scores with: the trained MoL2 head saved beside the demo adapters.
+"""The router head the `router` and `engine` models score with: the trained MoL2 head saved beside the demo adapters.
 
 Without a head directory, `load_scorer` returns None and requests must name their adapter (the router stage
 says so in its error); it never falls back to an adapter silently.
@@ -7,10 +7,13 @@ says so in its error); it never falls back to an adapter silently.
 from __future__ import annotations
 
 
-def load_scorer(settings, served):
+def load_scorer(settings, model=None, tokenizer=None):
+    """The head's `score_adapter_set`. The option side reads only the token embedding: taken from `model` when the
+    caller has one built (the engine), else read alone from the checkpoint (the `router` model builds no model)."""
     if settings.router_dir is None:
         return None
     from mol2_router import load_router  # the MoL2 package; imported only when a head exists
+    from mol2_router.router import backbone_embedding
 
-    router = load_router(settings.router_dir, served.engine.model, served.tokenizer)
-    return router.score_adapter_set
+    embedding = model.get_input_embeddings().weight if model is not None else backbone_embedding(settings.model_dir)
+    return load_router(settings.router_dir, tokenizer=tokenizer, embedding=embedding).score_adapter_set

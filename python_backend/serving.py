@@ -17,6 +17,12 @@ from .settings import ServingSettings
 from .store import ConversationStore
 
 
+def start_model_process(settings: ServingSettings) -> None:
+    """What every model process that runs torch sets first."""
+    faulthandler.enable(all_threads=True)  # a model process that crashes leaves its Python stacks in the log
+    torch.set_num_threads(settings.threads)
+
+
 @dataclass
 class Served:
     """What a stage needs: the engine (adapters synced to the set), the store, the tokenizer, the set watcher."""
@@ -31,10 +37,10 @@ class Served:
 
     @classmethod
     def open(cls, settings: ServingSettings, with_adapters: bool = True) -> "Served":
-        faulthandler.enable(all_threads=True)  # a model process that crashes leaves its Python stacks in the log
-        torch.set_num_threads(settings.threads)
-        engine = make_engine(settings.engine, settings.model_dir, settings.max_adapters, settings.max_rank,
-                             settings.engine_dir, settings.threads)
+        """`with_adapters=False`: an engine with no LoRA slots (the adapter-free prefill stage never runs one)."""
+        start_model_process(settings)
+        engine = make_engine(settings.engine, settings.model_dir, settings.max_adapters if with_adapters else 0,
+                             settings.max_rank, settings.engine_dir, settings.threads)
         served = cls(settings, engine, settings.open_store(engine.config),
                      ChatTokenizer(settings.model_dir), AdapterSetWatcher(settings.adapter_set), {}, {})
         if with_adapters:

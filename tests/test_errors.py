@@ -221,3 +221,18 @@ def test_a_tiny_temperature_samples_the_argmax():
 
     logits = torch.tensor([0.5, 2.0, 1.999, -3.0])
     assert sample(logits, SamplingParams(temperature=1e-38, seed=0), torch.Generator().manual_seed(0)) == 1
+
+
+def test_an_engine_without_slots_is_the_plain_model_and_refuses_an_adapter(adapter_dirs, tiny_model):
+    """The adapter-free prefill stage builds its engine with max_adapters=0: no Linear wrapped, the same prefill."""
+    from ced import CEDEngine
+    from ced.lora import MultiLoRALinear
+
+    plain, slotted = CEDEngine(tiny_model(), max_adapters=0), CEDEngine(tiny_model(), max_adapters=2)
+    assert not any(isinstance(m, MultiLoRALinear) for m in plain.model.modules())
+    tokens = list(range(5, 40))
+    a, b = plain.new_conversation(), slotted.new_conversation()
+    assert torch.equal(plain.prefill(a, tokens), slotted.prefill(b, tokens))
+    with pytest.raises(AdapterError, match="no adapter slots"):
+        plain.adapters.load("A1", adapter_dirs["A1"])
+    assert not plain.adapters.records()  # the refusal loaded nothing

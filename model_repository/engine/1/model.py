@@ -18,7 +18,7 @@ class TritonPythonModel:
         parameters = triton_parameters(config)
         settings = ServingSettings.from_parameters(parameters)
         served = Served.open(settings)
-        self.model = EngineModel(pb, served, load_scorer(settings, served), parameters)
+        self.model = EngineModel(pb, served, load_scorer(settings, served.engine.model, served.tokenizer), parameters)
 
     def execute(self, requests):
         self.model.execute(requests)  # responses come from the scheduler's thread
