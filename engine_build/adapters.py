@@ -39,38 +39,11 @@ from ced.synthetic import ATTENTION, FFN, decoder_modules_regex, make_random_ada
 
 from .data import packed_rows
 from .tokenizer import load_tokenizer
+from .train_config import AdapterTrainConfig  # noqa: F401 - importable from here too
 
 RANDOM_L0_MODULES = ("attn.o_proj", "mlp.up_proj", "mlp.down_proj")
 EVERY_LAYER_DESCRIPTION = "every-layer LoRA (encoder included) for the baseline; refused by the CED engine"
 RANDOM_L0_DESCRIPTION = "randomly initialised LoRA on another module set (the seed's L0); not trained"
-
-
-@dataclass
-class AdapterTrainConfig:
-    rank: int = 16
-    alpha: float = 32.0
-    lr: float = 2e-3  # peak; linear warmup then cosine to lr / 10
-    steps: int = 100  # optimizer steps per adapter
-    warmup_steps: int = 4
-    batch_size: int = 4  # rows per step
-    seq_len: int = 512
-    valid_rows: int = 32  # most validation rows scored per domain
-    max_doc_tokens: int = 1024  # one random window of at most this many tokens per document (train and valid)
-    seed: int = 0  # LoRA A initialisation, row choice and order
-    bf16: bool = True  # autocast the training matmuls (scoring is float32)
-    chunk_size: int = 128  # queries per model chunk
-    every_layer_domain: str = "chat"  # the data the every-layer (baseline) adapter learns
-    random_rank: int = 8  # random_l0
-    random_scale: float = 0.08  # random_l0: A, B ~ N(0, scale^2) (demo: mean |logit change| 0.12)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def lr_at(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        progress = (step - self.warmup_steps) / max(1, self.steps - 1 - self.warmup_steps)
-        return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def every_layer_regex(n_layers: int, modules: tuple[str, ...] = ATTENTION + FFN) -> str:

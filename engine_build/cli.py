@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib.util
 import json
 import sys
 import time
@@ -68,7 +70,7 @@ def _cmd_tokenizer(args: argparse.Namespace) -> int:
 
 
 def _pretrain_config(args: argparse.Namespace):
-    from .pretrain import PretrainConfig
+    from .train_config import PretrainConfig
 
     return PretrainConfig(preset=args.preset, tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size,
                           lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed, eval_every=args.eval_every,
@@ -95,7 +97,7 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
 
 
 def _adapter_config(args: argparse.Namespace):
-    from .adapters import AdapterTrainConfig
+    from .train_config import AdapterTrainConfig
 
     return AdapterTrainConfig(rank=args.rank, alpha=args.alpha, lr=args.adapter_lr, steps=args.steps,
                               batch_size=args.adapter_batch_size, valid_rows=args.adapter_valid_rows,
@@ -116,7 +118,7 @@ def _cmd_adapters(args: argparse.Namespace) -> int:
 
 
 def _add_adapter_options(p: argparse.ArgumentParser) -> None:
-    from .adapters import AdapterTrainConfig
+    from .train_config import AdapterTrainConfig
 
     d = AdapterTrainConfig
     p.add_argument("--rank", type=int, default=d.rank, help="LoRA rank (default: %(default)s)")
@@ -225,8 +227,13 @@ def write_demo_manifest(demo: Path, args: argparse.Namespace | None = None) -> d
     return manifest
 
 
+def _doc(module: str) -> str | None:
+    """A module's docstring, read without importing it (the training and export modules load torch)."""
+    return ast.get_docstring(ast.parse(Path(importlib.util.find_spec(module).origin).read_text()))
+
+
 def _add_pretrain_options(p: argparse.ArgumentParser) -> None:
-    from .pretrain import PretrainConfig
+    from .train_config import PretrainConfig
 
     d = PretrainConfig
     p.add_argument("--preset", default=d.preset, help="CED preset (default: %(default)s)")
@@ -260,7 +267,9 @@ def _cmd_onnx(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     t0 = time.time()
-    manifest = export_engine(args.model, args.out, opset=args.opset, exporter=args.exporter)
+    from ced.onnx_export import OPSET
+
+    manifest = export_engine(args.model, args.out, opset=args.opset or OPSET, exporter=args.exporter)
     print(f"exported {len(manifest['graphs'])} graphs (opset {manifest['opset']}, config "
           f"{manifest['config_fingerprint']}, weights {manifest['weights_fingerprint']}, "
           f"{len(manifest['lora_modules'])} LoRA modules) in {time.time() - t0:.1f} s -> {args.out}")
@@ -325,7 +334,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.set_defaults(fn=_cmd_tokenizer)
 
     r = sub.add_parser("pretrain", help="pretrain a CED preset on the corpus (resumable)",
-                       description=__import__("engine_build.pretrain", fromlist=["x"]).__doc__,
+                       description=_doc("engine_build.pretrain"),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--corpus", default="artifacts/corpus", help="corpus folder (default: %(default)s)")
     r.add_argument("--tokenizer", default="artifacts/tokenizer", help="tokenizer folder (default: %(default)s)")
@@ -336,7 +345,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.set_defaults(fn=_cmd_pretrain)
 
     a = sub.add_parser("adapters", help="train the domain adapters with PEFT and print base vs adapter losses",
-                       description=__import__("engine_build.adapters", fromlist=["x"]).__doc__,
+                       description=_doc("engine_build.adapters"),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     a.add_argument("--corpus", default="artifacts/corpus", help="corpus folder (default: %(default)s)")
     a.add_argument("--model", default="artifacts/demo/model", help="pretrained model folder (default: %(default)s)")
@@ -363,21 +372,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     u.add_argument("--dst", type=Path, default=Path("models/demo"), help="where to publish (default models/demo)")
     u.set_defaults(fn=_cmd_publish)
 
-    from ced.onnx_export import OPSET
-
     o = sub.add_parser("onnx", help="export the CED stages (prefill, replay, decode_step) as ONNX graphs",
-                       description=__import__("ced.onnx_export", fromlist=["x"]).__doc__,
+                       description=_doc("ced.onnx_export"),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     o.add_argument("--model", type=Path, default=Path("models/demo/model"), help="model folder (default: %(default)s)")
     o.add_argument("--out", type=Path, required=True, help="output folder (graphs + engine.json)")
-    o.add_argument("--opset", type=int, default=OPSET, help="ONNX opset (default: %(default)s)")
+    o.add_argument("--opset", type=int, default=None, help="ONNX opset (default: ced/onnx_export.py's OPSET, 18)")
     o.add_argument("--exporter", choices=("torchscript", "dynamo"), default="torchscript",
                    help="torch.onnx path: torchscript traces in seconds, dynamo takes minutes (default: %(default)s)")
     o.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
     o.set_defaults(fn=_cmd_onnx)
 
     g = sub.add_parser("tensorrt", help="build TensorRT plans from the ONNX graphs (needs tensorrt and a GPU)",
-                       description=__import__("ced.tensorrt_build", fromlist=["x"]).__doc__,
+                       description=_doc("ced.tensorrt_build"),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     g.add_argument("--onnx", type=Path, required=True, help="folder written by the onnx command")
     g.add_argument("--out", type=Path, required=True, help="output folder (plans + engine.json)")

@@ -7,14 +7,21 @@
 MoL2 and the two baselines (MoL, Contextual MoL) share that call (mol2_router/interface.py).
 """
 
-from .baselines import ContextualRouter, MoLRouter
-from .config import PRESETS, RouterConfig, RouterConfigError
-from .data import Candidate, Question, RouteDataError, read_questions, write_questions
-from .features import RouteTokenizer, turn_tokens
-from .head import OptionCache, PointerHead, QKHead
-from .interface import Decision, RouteQuery, Router
-from .router import MoL2Router, load_router
+# Names resolved on first use (PEP 562), so that `mol2 router --help` and a module that needs one light piece
+# (the data files, the config) do not load torch and the engine.
+_WHERE = {"ContextualRouter": "baselines", "MoLRouter": "baselines", "PRESETS": "config", "RouterConfig": "config",
+          "RouterConfigError": "config", "Candidate": "data", "Question": "data", "RouteDataError": "data",
+          "read_questions": "data", "write_questions": "data", "RouteTokenizer": "features", "turn_tokens": "features",
+          "OptionCache": "head", "PointerHead": "head", "QKHead": "head", "Decision": "interface",
+          "RouteQuery": "interface", "Router": "interface", "MoL2Router": "router", "load_router": "router"}
+__all__ = list(_WHERE)
 
-__all__ = ["ContextualRouter", "MoLRouter", "PRESETS", "RouterConfig", "RouterConfigError", "Candidate", "Question",
-           "RouteDataError", "read_questions", "write_questions", "RouteTokenizer", "turn_tokens", "OptionCache",
-           "PointerHead", "QKHead", "Decision", "RouteQuery", "Router", "MoL2Router", "load_router"]
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'mol2_router' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value  # found once
+    return value

@@ -78,7 +78,7 @@ def loaded_by(*argv: str) -> set[str]:
 
 
 def test_help_imports_no_torch():
-    for argv in (["--help"], ["serve", "--help"]):
+    for argv in (["--help"], ["serve", "--help"], ["router", "--help"], ["build", "--help"], ["chat", "--help"]):
         modules = loaded_by(*argv)
         assert "mol2_cli" in modules and not modules & {"torch", "transformers", "numpy", "aiohttp"}, argv
     assert "python_backend.cli" in loaded_by("serve", "--help")
