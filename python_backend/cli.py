@@ -25,7 +25,8 @@ def _serve(args: argparse.Namespace) -> None:
 def _repo_build(args: argparse.Namespace) -> None:
     from .repo_build import build
 
-    print("wrote", ", ".join(build(args.adapter_set, args.repository, args.name, args.router_dir)))
+    print("wrote", ", ".join(build(args.adapter_set, args.repository, args.name, args.router_dir)),
+          f"into {args.repository}\nserve it: mol2 serve --model-repository {args.repository}")
 
 
 def add_serve(commands, **options) -> None:
@@ -84,8 +85,9 @@ def add_repo(commands, **options) -> None:
                                          "adapter-set JSON file (name, path, description per adapter; route_prompt).")
     parser.add_argument("--adapter-set", required=True, type=Path, help="the adapter-set JSON file")
     parser.add_argument("--name", help="the set's name (default: from the file name)")
-    parser.add_argument("--repository", type=Path, default=ROOT / "model_repository",
-                        help="model repository to write into (default: model_repository/)")
+    parser.add_argument("--repository", type=Path, default=ROOT / "artifacts" / "model_repository",
+                        help="model repository to write into; a new one starts as a copy of model_repository/ "
+                             "(default: artifacts/model_repository, never the committed repository)")
     parser.add_argument("--router-dir", type=Path, help="the set's router head (default: a router/ folder beside "
                                                         "the set's file, else the served model's head)")
     parser.set_defaults(run=_repo_build)

@@ -4,6 +4,9 @@ The adapter-free stages (tokenize, prefill) are shared by every set: that is the
 gets its own engine (its own adapter registry and router head; conversations meet in the shared journal), router
 (its own cached option side), decode and route-only model,
 generated from the templates in model_repository/ with the set's file as their `adapter_set` parameter.
+
+By default the sets go into artifacts/model_repository/, a copy of the committed repository made on first use
+(`mol2 serve --model-repository artifacts/model_repository` serves it), so the committed one stays as it is.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from .adapter_set import parse_adapter_set
 from .settings import ROOT
 
 TEMPLATES = ROOT / "model_repository"
+GENERATED = ROOT / "artifacts" / "model_repository"  # where `mol2 repo build` writes unless told otherwise
 _SET_NAME = re.compile(r"^[a-z0-9_]{1,40}$")
 
 
@@ -32,7 +36,7 @@ def _with_parameter(config: str, key: str, value: str) -> str:
     return pattern.sub(line, config) if pattern.search(config) else config.rstrip() + "\n" + line + "\n"
 
 
-def build(adapter_set: Path, repository: Path = TEMPLATES, name: str | None = None,
+def build(adapter_set: Path, repository: Path = GENERATED, name: str | None = None,
           router_dir: Path | None = None) -> list[str]:
     """Write engine_<set>, router_<set>, decode_<set>, route_<set> and mol2_<set> into `repository` (router and
     decode serve the set when the server is split in two); returns the names written.
@@ -46,6 +50,8 @@ def build(adapter_set: Path, repository: Path = TEMPLATES, name: str | None = No
     if router_dir is not None and not (Path(router_dir) / "config.json").is_file():
         raise FileNotFoundError(f"--router-dir {router_dir} holds no router head (config.json)")
     name = name or set_name_of(adapter_set)
+    if not (repository / "mol2" / "config.pbtxt").is_file():  # a new repository: the base models beside the set's
+        shutil.copytree(TEMPLATES, repository, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
     written = []
     for stage in ("engine", "router", "decode", "route"):
         target = repository / f"{stage}_{name}"

@@ -131,6 +131,11 @@ def test_repo_build_writes_one_ensemble_per_set(served_dir, tmp_path):
     assert (repository / "decode_support" / "1" / "model.py").is_file()
     route = (repository / "route_support" / "config.pbtxt").read_text()
     assert 'name: "route_support"' in route and 'string_value: "router_support"' in route
+    # a new repository is whole (the shared models beside the set's); the committed one is never written
+    from python_backend.repo_build import GENERATED, TEMPLATES
+
+    assert {"tokenize", "engine", "mol2"} <= {p.name for p in repository.iterdir()}
+    assert not (TEMPLATES / "mol2_support").exists() and GENERATED != TEMPLATES
 
 
 def test_a_set_kept_away_from_a_router_head_routes_with_the_models(served_dir, tmp_path):
