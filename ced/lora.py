@@ -20,18 +20,21 @@ class LoRAMapping:
 
     row_slots: Tensor | None = None  # (B,) long
     host_slots: list[int] | None = None  # the same on the host: lets a module skip its LoRA without a sync
-    row_mask: Tensor | None = None  # (B, 1, slots * max_rank): 1 over the rank block of each row's slot
+    active: tuple[int, ...] = ()  # the slots some row uses, ascending: the only ones a step computes
+    row_mask: Tensor | None = None  # (B, 1, len(active) * max_rank): 1 over the rank block of each row's slot
 
     def set_rows(self, slots: list[int], n_slots: int, max_rank: int, dtype: torch.dtype) -> None:
-        mask = torch.zeros(len(slots), n_slots, max_rank, dtype=dtype)
+        self.active = tuple(sorted({slot for slot in slots if slot >= 0}))
+        mask = torch.zeros(len(slots), len(self.active), max_rank, dtype=dtype)
         for row, slot in enumerate(slots):
             if slot >= 0:
-                mask[row, slot] = 1
+                mask[row, self.active.index(slot)] = 1
         self.row_slots, self.host_slots = torch.tensor(slots, dtype=torch.long), slots
-        self.row_mask = mask.view(len(slots), 1, n_slots * max_rank)
+        self.row_mask = mask.view(len(slots), 1, len(self.active) * max_rank)
 
     def clear(self) -> None:
         self.row_slots = self.host_slots = self.row_mask = None
+        self.active = ()
 
 
 class MultiLoRALinear(nn.Module):
@@ -44,7 +47,7 @@ class MultiLoRALinear(nn.Module):
                              persistent=False)
         self.register_buffer("in_use", torch.zeros(n_slots, dtype=torch.bool), persistent=False)
         self.used = [False] * n_slots  # in_use on the host
-        self._b_rows: Tensor | None = None  # lora_b as (out, slots * max_rank), rebuilt after a change
+        self._packed: dict[tuple[int, ...], tuple[Tensor, Tensor]] = {}  # active slots -> their A and B, stacked
 
     @property
     def in_features(self) -> int:
@@ -61,27 +64,27 @@ class MultiLoRALinear(nn.Module):
         self.lora_b[slot, :, :rank] = b_scaled.to(self.lora_b.dtype)
         self.in_use[slot] = True
         self.used[slot] = True
-        self._b_rows = None
+        self._packed.clear()
 
     def reset_lora(self, slot: int) -> None:
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         self.in_use[slot] = False
         self.used[slot] = False
-        self._b_rows = None
+        self._packed.clear()
 
     def forward(self, x: Tensor) -> Tensor:  # x: (B, T, in)
         y = self.base(x)
         slots, host = self.mapping.row_slots, self.mapping.host_slots
         if slots is None:
             return y
-        if host is not None:  # mixed batches: every slot's A at once, each row masked to its own rank block
-            if not any(slot >= 0 and self.used[slot] for slot in host):
+        if host is not None:  # mixed batches: the A of every slot in use at once, each row masked to its own block
+            active = self.mapping.active
+            if not any(self.used[slot] for slot in active):
                 return y
-            if self._b_rows is None:
-                self._b_rows = self.lora_b.permute(1, 0, 2).reshape(self.out_features, -1).contiguous()
-            down = F.linear(x, self.lora_a.view(-1, self.in_features)) * self.mapping.row_mask  # (B, T, S*r)
-            return y + F.linear(down, self._b_rows)  # a row without an adapter adds exact zeros
+            a, b = self._stacked(active)
+            down = F.linear(x, a) * self.mapping.row_mask  # (B, T, U*r)
+            return y + F.linear(down, b)  # a row without an adapter adds exact zeros
         active = (slots >= 0) & self.in_use[slots.clamp(min=0)]
         if not bool(active.any()):
             return y
@@ -89,6 +92,19 @@ class MultiLoRALinear(nn.Module):
         a, b = self.lora_a[slots[rows]], self.lora_b[slots[rows]]  # (R, r, in), (R, out, r)
         delta = torch.matmul(torch.matmul(x[rows], a.transpose(1, 2)), b.transpose(1, 2))  # (R, T, out)
         return y.index_add(0, rows, delta)
+
+
+    def _stacked(self, active: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+        """A (U*r, in) and B (out, U*r) of the active slots, in their order; kept until a slot changes. Only the
+        slots some row uses are computed: one adapter's batch costs one adapter's LoRA, not every slot's."""
+        if active not in self._packed:
+            if len(self._packed) >= 16:  # a few recent sets of slots (mixed batches could make 2**slots of them)
+                del self._packed[next(iter(self._packed))]
+            index = torch.tensor(active)
+            a = self.lora_a[index].reshape(-1, self.in_features)
+            b = self.lora_b[index].permute(1, 0, 2).reshape(self.out_features, -1).contiguous()
+            self._packed[active] = (a, b)
+        return self._packed[active]
 
 
 def lora_forward_reference(x: Tensor, base: nn.Linear, a: Tensor | None, b_scaled: Tensor | None) -> Tensor:

@@ -260,7 +260,11 @@ class PagedCache:
 
     def gather(self, source: int, idx: Tensor) -> tuple[Tensor, Tensor]:
         pages, offsets = self.pool.entry_places(self.table, idx)
-        return self.pool.gk[source][pages, offsets], self.pool.gv[source][pages, offsets]
+        flat = (pages * self.pool.page_entries + offsets).reshape(-1)  # into the pages laid end to end
+        k, v = self.pool.gk[source], self.pool.gv[source]  # (pages, P, H, D)
+        shape = (*idx.shape, *k.shape[2:])  # (B, T, k, H, D)
+        # index_select of whole (H, D) entries: a copy per entry, where two-tensor indexing cost ~1 ms per call
+        return k.flatten(0, 1).index_select(0, flat).view(shape), v.flatten(0, 1).index_select(0, flat).view(shape)
 
 
 def selection_or_none(selection: Selection | None, rows: int, length: int, top_k: int) -> Selection:
