@@ -209,11 +209,14 @@ class CEDAttention(nn.Module):
 
         if has_entries and selection is not None:
             k_sel, v_sel = cache.gather(source, selection.idx)  # (B, T, k, H, D)
-            glob = torch.einsum("bhtd,btkhd->bhtk", q, k_sel) * scale  # (B, H, T, k)
+            # (B, H, T, k, D): one small matmul per (row, head, query); a view, not a copy, where the cache
+            # gathers in this order (PagedCache)
+            k_sel, v_sel = k_sel.permute(0, 3, 1, 2, 4), v_sel.permute(0, 3, 1, 2, 4)
+            glob = torch.matmul(q.unsqueeze(-2), k_sel.transpose(-1, -2)).squeeze(-2) * scale  # (B, H, T, k)
             glob = glob.masked_fill(~selection.valid[:, None], NEG_INF)
             probs = torch.cat([local, glob], dim=-1).softmax(dim=-1)
             out = torch.matmul(probs[..., :local.shape[-1]], values)  # (B, H, T, D)
-            out = out + torch.einsum("bhtk,btkhd->bhtd", probs[..., local.shape[-1]:], v_sel)
+            out = out + torch.matmul(probs[..., local.shape[-1]:].unsqueeze(-2), v_sel).squeeze(-2)
         else:
             out = torch.matmul(local.softmax(dim=-1), values)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), selection

@@ -260,11 +260,15 @@ class PagedCache:
 
     def gather(self, source: int, idx: Tensor) -> tuple[Tensor, Tensor]:
         pages, offsets = self.pool.entry_places(self.table, idx)
-        flat = (pages * self.pool.page_entries + offsets).reshape(-1)  # into the pages laid end to end
         k, v = self.pool.gk[source], self.pool.gv[source]  # (pages, P, H, D)
-        shape = (*idx.shape, *k.shape[2:])  # (B, T, k, H, D)
-        # index_select of whole (H, D) entries: a copy per entry, where two-tensor indexing cost ~1 ms per call
-        return k.flatten(0, 1).index_select(0, flat).view(shape), v.flatten(0, 1).index_select(0, flat).view(shape)
+        H = k.shape[2]
+        entries = pages * self.pool.page_entries + offsets  # (B, T, k) into the pages laid end to end
+        heads = torch.arange(H, device=idx.device)[None, :, None, None]
+        rows = (entries[:, None] * H + heads).reshape(-1)  # (B, H, T, k): each head's D values are one row
+        shape = (idx.shape[0], H, *idx.shape[1:], k.shape[-1])  # (B, H, T, k, D), the order attention reads
+        k_sel = k.view(-1, k.shape[-1]).index_select(0, rows).view(shape)
+        v_sel = v.view(-1, v.shape[-1]).index_select(0, rows).view(shape)
+        return k_sel.permute(0, 2, 3, 1, 4), v_sel.permute(0, 2, 3, 1, 4)  # (B, T, k, H, D) views
 
 
 def selection_or_none(selection: Selection | None, rows: int, length: int, top_k: int) -> Selection:
