@@ -3,9 +3,12 @@ positions under that adapter, then streams token ids (one response per token wit
 response) for the `detokenize` step to turn into text (python_backend/stages.py's DecodeStage).
 
 With `_return_state` (a disaggregated prefill server's relay) the final state comes back in `_state_out`, in a last
-response of its own, sealed in `_state_seal`, and the store is not touched: the prefill server owns it. Internal: a
-request without its caller's seal over the conversation, the transfer and the state (python_backend/seal.py) is
-refused before anything is read, written, locked or unlocked. `pb` is passed in, so it is tested without a server.
+response of its own, sealed in `_state_seal`, and the store is not touched: the prefill server owns it. `_state`
+and `_state_out` are deltas where they can be (python_backend/delta_transfer.py): this model keeps each
+conversation's final state, up to `transfer_cache_mb`, and a delta on a state it does not hold is refused first.
+Internal: a request without its caller's seal over the conversation, the transfer and the state
+(python_backend/seal.py) is refused before anything is read, written, locked or unlocked. `pb` is passed in, so it
+is tested without a server.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 from ced.batched import BatchedEngine
 from ced.engine import SamplingParams
 
+from .delta_transfer import DecodeTransfers, cache_bytes
 from .detokenize import window
 from .metrics import Counters
 from .seal import DECODE, RETURNED, Sealer, decode_fields, returned_fields
@@ -39,9 +43,12 @@ class DecodeModel:
         self.final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         self.served = Served.open(ServingSettings.from_parameters(triton_parameters(model_config)))
         batched = BatchedEngine(self.served.engine) if self.served.settings.engine == "torch" else None
-        self.stage = DecodeStage(self.served.engine, self.served.store, self.served.tokenizer,
-                                 self.served.load_errors, batched)
         self.counters = Counters(pb, "decode")
+        transfers = DecodeTransfers(self.served.engine.config,
+                                    cache_bytes(triton_parameters(model_config).get("transfer_cache_mb", "auto")),
+                                    self.counters.count)
+        self.stage = DecodeStage(self.served.engine, self.served.store, self.served.tokenizer,
+                                 self.served.load_errors, batched, transfers)
         self.sealer = Sealer.from_environment()
 
     def finalize(self) -> None:
@@ -93,6 +100,7 @@ class DecodeModel:
 
     def serve(self, parsed: ParsedDecode, sender, wanted: frozenset[str]) -> None:
         decode_request = parsed.request
+        self.stage.receive(decode_request)  # a delta on a state not held here is refused before anything counts
         self.counters.add("mol2_routes_read", str(decode_request.meta.adapter_hash))
         adapter = self.stage.adapter_for(self.served.watcher.current, decode_request.meta.adapter_hash) or "base"
         ids, replayed = [], 0

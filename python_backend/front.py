@@ -12,10 +12,11 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .bls import Call, prefill_request, route_request, text_array
+from .delta_transfer import BASE_REFUSED, DELTA, Count, Outgoing, RelayTransfers, no_count
 from .seal import DECODE, RETURNED, Sealer, decode_fields, returned_fields
 from .stages import commit_turn
 from .store import ConversationStore, check_id
-from .transfer import decode_state
+from .transfer import TransferError
 from .triton_io import RequestError
 
 # The request fields a relay passes on to decode unchanged, with the dtypes decode's config declares.
@@ -70,12 +71,17 @@ class Relay:
     own process: from before prefill, or, for a new conversation, from the moment prefill names it) until the
     state is committed (or the turn fails), exactly as on a single server. Every internal request is sealed
     (python_backend/seal.py), and the state that comes back is stored only when decode's seal on it checks out.
+
+    The state travels as a delta where it can (python_backend/delta_transfer.py): only what the decode server
+    lacks goes, and only what the relay lacks comes back; a delta decode refuses is sent again whole, once.
+    `count(name, value, **labels)` counts the bytes and the fallbacks (Counters.count).
     """
 
     def __init__(self, call: Call, store: ConversationStore, router_model: str, decode_url: str, decode_model: str,
-                 sealer: Sealer, decode: Callable[..., Iterator] = remote_decode):
+                 sealer: Sealer, decode: Callable[..., Iterator] = remote_decode, count: Count = no_count):
         self.call, self.store, self.router_model, self.sealer = call, store, router_model, sealer
         self.decode_url, self.decode_model, self.decode = decode_url, decode_model, decode
+        self.transfers = RelayTransfers(store, store.config, count)
 
     def run(self, fields: dict[str, np.ndarray], send: Callable[[dict[str, np.ndarray] | None, bool], None],
             cancelled: Callable[[], bool] = lambda: False) -> None:
@@ -96,11 +102,9 @@ class Relay:
             inputs.update({name: fields[name].astype(dtype).reshape(1)
                            for name, dtype in PASSED_ON.items() if fields.get(name) is not None})
             end = _flag(inputs.get("end_conversation"))
-            length, adapter_hash = (int(v) for v in routed["_routed_meta"].reshape(-1))
-            inputs["_seal"] = text_array(self.sealer.seal(DECODE, **decode_fields(
-                conversation_id, length, adapter_hash, prefilled["_state"].tobytes(), True, end)))
+            sent = self.transfers.outgoing(conversation_id, prefilled["_state"].tobytes())
+            sent, results = self._start_decode(conversation_id, inputs, sent, routed["_routed_meta"], end)
             pending, committed = None, False
-            results = self.decode(self.decode_url, self.decode_model, inputs)
             for result in results:
                 if cancelled():
                     getattr(results, "close", lambda: None)()  # remote_decode cancels the remote turn on close
@@ -108,10 +112,7 @@ class Relay:
                     return
                 state = result.as_numpy("_state_out")
                 if state is not None:
-                    state = state.tobytes()
-                    self.sealer.check(RETURNED, _text(result.as_numpy("_state_seal")),
-                                      **returned_fields(conversation_id, state))
-                    commit_turn(self.store, conversation_id, decode_state(state, self.store.config), end)
+                    self._commit(conversation_id, sent, state.tobytes(), _text(result.as_numpy("_state_seal")), end)
                     committed = True
                     continue
                 if pending is not None:  # one behind, so the FINAL flag rides the last answer, as decode sends it
@@ -124,6 +125,48 @@ class Relay:
             if conversation_id:
                 self.store.end_turn(conversation_id)  # only the lock this relay took
         send(pending, True)  # only now: a client may send the next turn the moment it has this answer
+
+    def _start_decode(self, conversation_id: str, inputs: dict[str, np.ndarray], sent: Outgoing,
+                      routed_meta: np.ndarray, end: bool) -> tuple[Outgoing, Iterator]:
+        """decode's responses to the turn, `sent` as its state; a delta refused for its base (decode restarted,
+        evicted it, or holds another turn) goes again whole. The refusal comes before any answer."""
+        length, adapter_hash = (int(v) for v in routed_meta.reshape(-1))
+        while True:
+            inputs["_state"] = np.frombuffer(sent.data, np.uint8)
+            inputs["_seal"] = text_array(self.sealer.seal(DECODE, **decode_fields(
+                conversation_id, length, adapter_hash, sent.data, True, end)))
+            results = self.decode(self.decode_url, self.decode_model, inputs)
+            try:
+                first = next(results)
+            except StopIteration:
+                return sent, iter(())
+            except (RequestError, TransferError) as error:
+                if sent.kind != DELTA or BASE_REFUSED not in str(error):
+                    raise
+                sent = self.transfers.whole(sent)
+                continue
+            return sent, _prepend(first, results)
+
+    def _commit(self, conversation_id: str, sent: Outgoing, returned: bytes, seal: str | None, end: bool) -> None:
+        """Store the turn's final state, from decode's sealed answer (a delta on what was sent, or whole); the
+        relay then knows which state decode holds for the next turn's delta."""
+        try:
+            self.sealer.check(RETURNED, seal, **returned_fields(conversation_id, returned))
+            state, version = self.transfers.incoming(sent, returned)
+            commit_turn(self.store, conversation_id, state, end)
+        except BaseException:
+            self.transfers.forget(conversation_id)
+            raise
+        self.transfers.remember(conversation_id, "" if end else version, state)
+
+
+def _prepend(first, rest: Iterator) -> Iterator:
+    """`first`, then the rest; closing it closes `rest` (remote_decode then cancels the remote turn)."""
+    try:
+        yield first
+        yield from rest
+    finally:
+        getattr(rest, "close", lambda: None)()
 
 
 def _text(value: np.ndarray | None) -> str | None:

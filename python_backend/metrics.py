@@ -7,6 +7,8 @@ decode without its adapter shows up as written != applied.
 
 from __future__ import annotations
 
+import threading
+
 DESCRIPTIONS = {
     "mol2_routes_written": "adapter decisions written into a transfer (router stage)",
     "mol2_route_only_decisions": "adapter decisions returned to a client by the route model, nothing written",
@@ -17,6 +19,9 @@ DESCRIPTIONS = {
     "mol2_router_decision_ms_total": "time spent in router decisions, milliseconds, summed",
     "mol2_state_bytes_written": "bytes of conversation state written to the store (journal records)",
     "mol2_state_bytes_moved": "bytes of conversation state copied between processes or read back from the store",
+    "mol2_transfer_bytes_total": "bytes of conversation state sent between a disaggregated pair's servers, by "
+                                 "direction (to_decode, to_prefill) and kind (delta, full)",
+    "mol2_transfer_fallbacks_total": "delta transfers not possible for a turn, which went whole instead, by reason",
 }
 
 
@@ -24,15 +29,23 @@ class Counters:
     def __init__(self, pb, stage: str):
         self.pb, self.stage = pb, stage
         self._families, self._metrics = {}, {}
+        self._lock = threading.Lock()
 
     def add(self, name: str, adapter: str, value: float = 1.0) -> None:
-        if name not in self._families:
-            self._families[name] = self.pb.MetricFamily(name=name, description=DESCRIPTIONS[name],
-                                                        kind=self.pb.MetricFamily.COUNTER)
-        key = (name, adapter)
-        if key not in self._metrics:
-            self._metrics[key] = self._families[name].Metric(labels={"stage": self.stage, "adapter": adapter})
-        self._metrics[key].increment(value)
+        self.count(name, value, adapter=adapter)
+
+    def count(self, name: str, value: float = 1.0, **labels: str) -> None:
+        """Add `value` to the counter `name` with these labels (besides `stage`). The relay counts from its turns'
+        threads: a metric is created once."""
+        key = (name, *sorted(labels.items()))
+        with self._lock:
+            if name not in self._families:
+                self._families[name] = self.pb.MetricFamily(name=name, description=DESCRIPTIONS[name],
+                                                            kind=self.pb.MetricFamily.COUNTER)
+            if key not in self._metrics:
+                self._metrics[key] = self._families[name].Metric(labels={"stage": self.stage, **labels})
+            metric = self._metrics[key]
+        metric.increment(value)
 
     def close(self) -> None:
         """Drop the metrics while the model's process can still tell Triton (from `finalize`). One freed later, as

@@ -11,6 +11,7 @@ from ced.model import CEDForCausalLM
 
 from .bls import bls_call
 from .front import PASSED_ON, Relay
+from .metrics import Counters
 from .seal import Sealer
 from .settings import ServingSettings, triton_parameters
 from .triton_io import Outputs, failure_response, optional, require_decoupled, requested_outputs, response
@@ -27,8 +28,9 @@ class RelayModel:
         settings = ServingSettings.from_parameters(parameters)
         config = CEDForCausalLM.config_class.from_pretrained(settings.model_dir).ced
         store = settings.open_store(config)  # this server's idle timeout and limits
+        self.counters = Counters(pb, "relay")  # the bytes of state on the wire, each way
         self.relay = Relay(bls_call(pb), store, parameters["router_model"], parameters["decode_url"],
-                           parameters["decode_model"], Sealer.from_environment())
+                           parameters["decode_model"], Sealer.from_environment(), count=self.counters.count)
         # Turns wait on the decode server: many run at once, each in its own thread.
         self.pool = ThreadPoolExecutor(max_workers=int(parameters.get("max_turns_in_flight", "64")))
 
@@ -40,6 +42,7 @@ class RelayModel:
 
     def finalize(self) -> None:
         self.pool.shutdown(wait=True)
+        self.counters.close()
 
     def serve(self, fields: dict, sender, wanted: frozenset[str]) -> None:
         def send(outputs, final):

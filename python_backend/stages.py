@@ -25,11 +25,12 @@ from ced.batched import BatchedEngine
 from ced.engine import CEDEngine, SamplingParams
 
 from .adapter_set import AdapterSet
+from .delta_transfer import DecodeTransfers, Received
 from .detokenize import check_ids
 from .fnv import BASE
 from .store import ConversationStore
 from ced.tokenization import ChatTokenizer
-from .transfer import decode_state, encode_state
+from .transfer import encode_state
 from .triton_io import RequestError
 
 BASE_NAME = "base"  # the explicit `adapter` value that asks for no adapter
@@ -130,15 +131,26 @@ class DecodeRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     end_conversation: bool = False
     return_state: bool = False  # disaggregated: the prefill server owns the store and the turn lock
-    final_state: bytes = b""  # set when done, if return_state
+    final_state: bytes = b""  # set when done, if return_state: a delta on the state received, or the full state
+    received: Received | None = None  # the state `state` carries (DecodeStage.receive), once resolved
 
 
 class DecodeStage:
     def __init__(self, engine: CEDEngine, store: ConversationStore, tokenizer: ChatTokenizer,
-                 load_errors: dict[str, str] | None = None, batched: BatchedEngine | None = None):
-        """`batched`: decode on the serving engine's path (torch), so a split server answers as the single one."""
+                 load_errors: dict[str, str] | None = None, batched: BatchedEngine | None = None,
+                 transfers: DecodeTransfers | None = None):
+        """`batched`: decode on the serving engine's path (torch), so a split server answers as the single one.
+        `transfers`: the final states kept for the delta transfer (python_backend/delta_transfer.py)."""
         self.engine, self.store, self.tokenizer, self.batched = engine, store, tokenizer, batched
         self.load_errors = {} if load_errors is None else load_errors  # the set's adapters that failed to load
+        self.transfers = DecodeTransfers(engine.config) if transfers is None else transfers
+
+    def receive(self, request: DecodeRequest) -> Received:
+        """The state the request's bytes carry (a full state, or a delta on a cached one: else BaseRefused, before
+        anything is run or counted)."""
+        if request.received is None:
+            request.received = self.transfers.receive(request.conversation_id, request.state)
+        return request.received
 
     def adapter_for(self, adapter_set: AdapterSet, value: int) -> str | None:
         if value == BASE:
@@ -162,7 +174,8 @@ class DecodeStage:
                 self.store.begin_turn(request.conversation_id)
                 locked = True
             adapter = self.adapter_for(adapter_set, request.meta.adapter_hash)
-            state = decode_state(request.state, self.engine.config)
+            received = self.receive(request)
+            state = received.state
             if state.length != request.meta.length:
                 raise RequestError(f"transfer says {request.meta.length} tokens, the state holds {state.length}")
             budget = min(request.max_tokens, self.engine.config.max_context - state.length)
@@ -181,8 +194,9 @@ class DecodeStage:
                     state = self.batched.export(row)
                 finally:
                     self.batched.close(row)
-            if request.return_state:
-                request.final_state = encode_state(state, self.engine.config)
+            if request.return_state:  # the relay rebuilds it from what it sent and this
+                request.final_state = self.transfers.reply(request.conversation_id, received, state,
+                                                           request.end_conversation)
             else:
                 commit_turn(self.store, request.conversation_id, state, request.end_conversation)
         finally:

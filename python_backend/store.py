@@ -164,6 +164,12 @@ class ConversationStore:
         except FileNotFoundError:
             return None
 
+    def written_length(self, conversation_id: str) -> int | None:
+        """Tokens of the journal as this process last wrote or read it, if no other process has changed the file
+        since (one stat); else None. The disaggregated relay sends a delta only on a journal it wrote itself."""
+        journal = self._cached(conversation_id)
+        return None if journal is None else journal.length
+
     def journal_size(self, conversation_id: str) -> int:
         try:
             return self._record(conversation_id).stat().st_size

@@ -31,9 +31,10 @@ def config_fingerprint(config: CEDConfig) -> str:
 COVERED = ("format", "config", "bound_adapter", "bound_length", "bound_digest")  # the metadata the checksum covers
 
 
-def _checksum(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+def _checksum(tensors: dict[str, torch.Tensor], metadata: dict[str, str], covered: tuple[str, ...] = COVERED) -> str:
+    """sha256 over the `covered` metadata fields and every tensor (python_backend/delta_transfer.py covers more)."""
     digest = hashlib.sha256()
-    for key in COVERED:  # length-prefixed, so no two different sets of fields hash alike
+    for key in covered:  # length-prefixed, so no two different sets of fields hash alike
         value = str(metadata.get(key, "")).encode()
         digest.update(f"{key}:{len(value)}:".encode() + value)
     for key in sorted(tensors):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import time
 import urllib.error
 import urllib.request
@@ -159,3 +160,87 @@ def test_a_cancelled_turn_stops_and_stores_nothing(disaggregated, served_dir):
     assert record.read_bytes() == before          # nothing of the cancelled turn was stored
     answer = generate(server, text_input="and now", adapter="chat", max_tokens=2, conversation_id=conversation)
     assert "error" not in answer, answer
+
+
+def transfer_counts(ports) -> dict[tuple[str, ...], float]:
+    """The delta transfer's counters on a server's metrics port: (name, stage, direction or reason, kind) -> value."""
+    with urllib.request.urlopen(f"http://{ports.host}:{ports.metrics}/metrics", timeout=30) as response:
+        lines = response.read().decode().splitlines()
+    counts = {}
+    for line in lines:
+        found = re.match(r"^(mol2_transfer_\w+)\{(.*)\} (\S+)$", line)
+        if found:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', found[2]))
+            key = (found[1], labels["stage"], labels.get("direction", labels.get("reason", "")), labels.get("kind", ""))
+            counts[key] = float(found[3])
+    return counts
+
+
+def counted_since(before: dict, after: dict) -> dict:
+    return {key: value - before.get(key, 0.0) for key, value in after.items() if value != before.get(key, 0.0)}
+
+
+def test_disaggregated_turns_send_deltas_of_a_size_independent_of_the_history(server, disaggregated):
+    """A long first turn goes whole; every later short turn sends each way only what the other side lacks: bytes
+    about equal per turn, far under the full state, and counted alike on both servers. Answers stay the single
+    server's."""
+    prefill, decode = disaggregated
+    turns = [(" ".join(["a long opening turn of history"] * 20), "chat"), ("short one", "chat"),
+             ("short two", "coding"), ("short six", None)]
+    expected = comparable(conversation(server, turns, end=False))
+    answers, conversation_id, per_turn = [], None, []
+    for text_input, adapter in turns:
+        before = (transfer_counts(prefill), transfer_counts(decode))
+        fields = dict(text_input=text_input, max_tokens=5, **({"adapter": adapter} if adapter else {}),
+                      **({"conversation_id": conversation_id} if conversation_id else {}))
+        answer = post(prefill, "/v2/models/mol2/generate", fields)
+        assert "error" not in answer, answer
+        conversation_id = answer["conversation_id_out"]
+        answers.append(answer)
+        relay, served = (counted_since(b, transfer_counts(p)) for b, p in zip(before, (prefill, decode)))
+        # the same bytes, each way, counted by the side that sent them and the side that received them
+        assert {key[2:]: value for key, value in relay.items() if key[0] == "mol2_transfer_bytes_total"} == \
+            {key[2:]: value for key, value in served.items() if key[0] == "mol2_transfer_bytes_total"}, (relay, served)
+        per_turn.append(relay)
+    assert comparable(answers) == expected
+    first, *later = per_turn
+
+    def bytes_of(counts, direction, kind):
+        return counts.get(("mol2_transfer_bytes_total", "relay", direction, kind))
+
+    full = bytes_of(first, "to_decode", "full")
+    assert full and bytes_of(first, "to_prefill", "delta")
+    sent = [bytes_of(counts, "to_decode", "delta") for counts in later]
+    returned = [bytes_of(counts, "to_prefill", "delta") for counts in later]
+    assert all(sent) and all(returned), per_turn
+    assert max(sent) < full / 2 and max(sent) - min(sent) < 0.1 * max(sent), (full, sent)
+    assert max(returned) - min(returned) < 0.1 * max(returned), returned
+    assert not any(key[0] == "mol2_transfer_fallbacks_total" for counts in per_turn for key in counts), per_turn
+    assert "error" not in generate(prefill, text_input="bye", adapter="chat", max_tokens=2,
+                                   conversation_id=conversation_id, end_conversation=True)
+
+
+def test_disaggregated_falls_back_to_the_full_state_when_another_relay_wrote_the_turn(server, disaggregated):
+    """A conversation continued through another set's relay (mol2_alt: another process, its own decode model): the
+    relay that served it before finds the journal changed and sends the whole state, counted as a fallback; the
+    answers are the single server's."""
+    prefill, _ = disaggregated
+    turns = [("hello", "chat", "mol2"), ("next", "chat", "mol2"), ("elsewhere", "alt_coding", "mol2_alt"),
+             ("back again", "coding", "mol2")]
+    results = {}
+    for name, ports in (("single", server), ("split", prefill)):
+        before, answers, conversation_id = transfer_counts(prefill), [], None
+        for text_input, adapter, model in turns:
+            fields = dict(text_input=text_input, adapter=adapter, max_tokens=4,
+                          **({"conversation_id": conversation_id} if conversation_id else {}))
+            answer = post(ports, f"/v2/models/{model}/generate", fields)
+            assert "error" not in answer, answer
+            conversation_id = answer["conversation_id_out"]
+            answers.append(comparable([answer])[0])
+        results[name] = answers, counted_since(before, transfer_counts(prefill))
+        assert "error" not in generate(ports, text_input="bye", adapter="chat", max_tokens=1,
+                                       conversation_id=conversation_id, end_conversation=True)
+    assert results["split"][0] == results["single"][0]
+    counted = results["split"][1]
+    assert counted.get(("mol2_transfer_fallbacks_total", "relay", "store_changed", "")) == 1, counted
+    assert counted.get(("mol2_transfer_bytes_total", "relay", "to_decode", "delta")), counted  # turn 2

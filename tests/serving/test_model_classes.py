@@ -105,7 +105,9 @@ def pb():
             self.name = name
 
         def Metric(self, labels):  # noqa: N802 - Triton's name
-            return SimpleNamespace(increment=lambda value: counts.update({(self.name, labels["adapter"]): value}))
+            # by adapter; a counter without one (the transfer's bytes) by its other labels
+            key = labels.get("adapter") or tuple(sorted((k, v) for k, v in labels.items() if k != "stage"))
+            return SimpleNamespace(increment=lambda value: counts.update({(self.name, key): value}))
 
     class InferenceRequest:
         def __init__(self, model_name, requested_output_names, inputs):
@@ -313,6 +315,11 @@ def test_decode_returns_the_state_to_a_prefill_server(pb, config):
     assert_outputs(answer, config("decode"), set(wanted) - {"_state_out", "_state_seal"})
     assert_outputs(state, config("decode"), {"_state_out", "_state_seal"})
     assert not model.served.store.exists("c1")  # the prefill server owns the store
+    sent = request.inputs["_state"].as_numpy().nbytes  # a whole state came; a delta on it goes back; both counted
+    assert pb.counts[("mol2_transfer_bytes_total", (("direction", "to_decode"), ("kind", "full")))] == sent
+    returned = state.tensors["_state_out"].nbytes
+    assert pb.counts[("mol2_transfer_bytes_total", (("direction", "to_prefill"), ("kind", "delta")))] == returned
+    assert returned > 0
     model.finalize()
 
 
