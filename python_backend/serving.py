@@ -37,10 +37,12 @@ class Served:
 
     @classmethod
     def open(cls, settings: ServingSettings, with_adapters: bool = True) -> "Served":
-        """`with_adapters=False`: an engine with no LoRA slots (the adapter-free prefill stage never runs one)."""
+        """`with_adapters=False`: the torch engine gets no LoRA slots (the adapter-free prefill stage never runs
+        one); an exported engine keeps them, as its graphs take the LoRA inputs whatever the stage."""
         start_model_process(settings)
-        engine = make_engine(settings.engine, settings.model_dir, settings.max_adapters if with_adapters else 0,
-                             settings.max_rank, settings.engine_dir, settings.threads)
+        slots = settings.max_adapters if with_adapters or settings.engine != "torch" else 0
+        engine = make_engine(settings.engine, settings.model_dir, slots, settings.max_rank, settings.engine_dir,
+                             settings.threads)
         served = cls(settings, engine, settings.open_store(engine.config),
                      ChatTokenizer(settings.model_dir), AdapterSetWatcher(settings.adapter_set), {}, {})
         if with_adapters:
