@@ -22,6 +22,7 @@ class LoRAMapping:
     host_slots: list[int] | None = None  # the same on the host: lets a module skip its LoRA without a sync
     active: tuple[int, ...] = ()  # the slots some row uses, ascending: the only ones a step computes
     row_mask: Tensor | None = None  # (B, 1, len(active) * max_rank): 1 over the rank block of each row's slot
+    uniform: bool = False  # every row uses the one active slot: the mask is all ones and is skipped
 
     def set_rows(self, slots: list[int], n_slots: int, max_rank: int, dtype: torch.dtype) -> None:
         self.active = tuple(sorted({slot for slot in slots if slot >= 0}))
@@ -31,10 +32,11 @@ class LoRAMapping:
                 mask[row, self.active.index(slot)] = 1
         self.row_slots, self.host_slots = torch.tensor(slots, dtype=torch.long), slots
         self.row_mask = mask.view(len(slots), 1, len(self.active) * max_rank)
+        self.uniform = len(self.active) == 1 and all(slot >= 0 for slot in slots)
 
     def clear(self) -> None:
         self.row_slots = self.host_slots = self.row_mask = None
-        self.active = ()
+        self.active, self.uniform = (), False
 
 
 class MultiLoRALinear(nn.Module):
@@ -83,7 +85,9 @@ class MultiLoRALinear(nn.Module):
             if not any(self.used[slot] for slot in active):
                 return y
             a, b = self._stacked(active)
-            down = F.linear(x, a) * self.mapping.row_mask  # (B, T, U*r)
+            down = F.linear(x, a)  # (B, T, U*r)
+            if not self.mapping.uniform:  # each row keeps its own slot's block (x 1.0 elsewhere changes no bit)
+                down = down * self.mapping.row_mask
             return y + F.linear(down, b)  # a row without an adapter adds exact zeros
         active = (slots >= 0) & self.in_use[slots.clamp(min=0)]
         if not bool(active.any()):

@@ -72,14 +72,22 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def apply_rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
-    """Rotate x (B, H, T, D) by absolute positions (B, T) or (T,): pairs (i, i + D/2), as in Llama."""
-    half = x.shape[-1] // 2
-    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+def rope_tables(positions: Tensor, theta: float, dim: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin of the rotation at absolute positions (B, T) or (T,), for head size `dim`: (B, 1, T, D/2) or
+    (T, D/2), shared by the heads (and by q and k of a layer)."""
+    half = dim // 2
+    inv_freq = theta ** (-torch.arange(half, device=positions.device, dtype=torch.float32) / half)
     angles = positions.to(torch.float32)[..., None] * inv_freq  # (B, T, D/2)
     if angles.dim() == 3:
         angles = angles[:, None]  # (B, 1, T, D/2): one rotation per row, shared by the heads
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, positions: Tensor, theta: float, tables: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """Rotate x (B, H, T, D) by absolute positions (B, T) or (T,): pairs (i, i + D/2), as in Llama. `tables`:
+    rope_tables of these positions, when the caller has them."""
+    cos, sin = tables if tables is not None else rope_tables(positions, theta, x.shape[-1], x.dtype)
+    half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
@@ -191,8 +199,9 @@ class CEDAttention(nn.Module):
         """xn: (B, T, C) normalized input at positions (B, T); the cache holds what precedes them."""
         B, T, _ = xn.shape
         layer, source, theta = self.role.index, self.role.global_source, self.config.rope_theta
-        q = apply_rope(self._heads(self.q_proj(xn)).transpose(1, 2), positions, theta)  # (B, H, T, D)
-        k = apply_rope(self._heads(self.k_proj(xn)).transpose(1, 2), positions, theta)
+        tables = rope_tables(positions, theta, self.config.head_dim, xn.dtype)  # once for q and k
+        q = apply_rope(self._heads(self.q_proj(xn)).transpose(1, 2), positions, theta, tables)  # (B, H, T, D)
+        k = apply_rope(self._heads(self.k_proj(xn)).transpose(1, 2), positions, theta, tables)
         v = self._heads(self.v_proj(xn)).transpose(1, 2)
         if self.compressor is not None:  # first: this chunk's completed blocks are readable by its own queries
             cache.compress(layer, xn, self.pool_blocks)
