@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .adapters import AdapterRegistry, placement_violation
-from .lora import LoRAMapping, wrap_linears
+from .lora import LoRAMapping, pack_linears, wrap_linears
 from .model import CEDForCausalLM, SharedOutput
 from .state import AdapterState, ConversationState, Selection, SharedState
 
@@ -68,6 +68,7 @@ class CEDEngine:
                                placement_violation(name, self.config, placement) is None,
                                max_adapters, max_rank, self.mapping)
         self.adapters = AdapterRegistry(modules, self.config, max_adapters, max_rank, placement)
+        pack_linears(model)  # the rest too: the engine's model is frozen, its weights kept in matmul's best layout
         self.stats = EngineStats()
 
     # -- conversations --------------------------------------------------------------------------------------

@@ -39,11 +39,35 @@ class LoRAMapping:
         self.active, self.uniform = (), False
 
 
+def transposed(weight: Tensor) -> Tensor:
+    """A Linear's weight (out, in) as (in, out), contiguous: what `x @ weight_t` reads fastest. MKL runs that 1.6x
+    faster than F.linear's read of the (out, in) weight at the shapes the engine decodes with (measured: (16, 256) x
+    (256, 768) 60 -> 38 us, (1, 256) x (256, 768) 13 -> 8 us). The engine's weights are frozen: the copy is taken
+    once, when the engine is built."""
+    return weight.detach().t().contiguous()
+
+
+class PackedLinear(nn.Module):
+    """An inference nn.Linear that multiplies by its transposed copy (`transposed`). Its parameters keep a plain
+    Linear's names (and tensors, so tied weights stay tied): the model's state dict does not change."""
+
+    def __init__(self, base: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        self.register_buffer("weight_t", transposed(base.weight), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch.matmul(x, self.weight_t)
+        return y if self.bias is None else y + self.bias
+
+
 class MultiLoRALinear(nn.Module):
     def __init__(self, base: nn.Linear, n_slots: int, max_rank: int, mapping: LoRAMapping):
         super().__init__()
         self.base, self.mapping = base, mapping
         dtype = base.weight.dtype
+        self.register_buffer("weight_t", transposed(base.weight), persistent=False)  # base(x) as x @ weight_t
         self.register_buffer("lora_a", torch.zeros(n_slots, max_rank, base.in_features, dtype=dtype), persistent=False)
         self.register_buffer("lora_b", torch.zeros(n_slots, base.out_features, max_rank, dtype=dtype),
                              persistent=False)
@@ -76,7 +100,9 @@ class MultiLoRALinear(nn.Module):
         self._packed.clear()
 
     def forward(self, x: Tensor) -> Tensor:  # x: (B, T, in)
-        y = self.base(x)
+        y = torch.matmul(x, self.weight_t)
+        if self.base.bias is not None:
+            y = y + self.base.bias
         slots, host = self.mapping.row_slots, self.mapping.host_slots
         if slots is None:
             return y
@@ -126,6 +152,14 @@ def lora_by_row(y: Tensor, x: Tensor, a: Tensor, b_scaled: Tensor, slots: Tensor
     return torch.where((slots >= 0)[:, None, None], y + delta, y)
 
 
+def pack_linears(model: nn.Module) -> dict[str, nn.Module]:
+    """Every plain nn.Linear left in the model (those no adapter may touch, the head included) as a PackedLinear;
+    the ones inside a MultiLoRALinear stay as they are (it packs its own)."""
+    inside = {f"{name}.{child}" for name, module in model.named_modules()
+              if isinstance(module, MultiLoRALinear) for child, _ in module.named_children()}
+    return replace_linears(model, lambda name: name not in inside, lambda name, base: PackedLinear(base))
+
+
 def replace_linears(model: nn.Module, include: Callable[[str], bool],
                     make: Callable[[str, nn.Linear], nn.Module]) -> dict[str, nn.Module]:
     """Replace every nn.Linear whose qualified name passes `include` by make(name, linear); returns them by name."""
@@ -142,7 +176,7 @@ def replace_linears(model: nn.Module, include: Callable[[str], bool],
 def wrap_linears(model: nn.Module, include: Callable[[str], bool], n_slots: int, max_rank: int,
                  mapping: LoRAMapping) -> dict[str, MultiLoRALinear]:
     """Replace every nn.Linear whose qualified name passes `include` by a MultiLoRALinear; returns them by name."""
-    if any(isinstance(module, MultiLoRALinear) for module in model.modules()):
+    if any(isinstance(module, (MultiLoRALinear, PackedLinear)) for module in model.modules()):
         raise ValueError("this model already has LoRA slots (another engine was built on it): give each engine a "
                          "model of its own, e.g. CEDForCausalLM.from_pretrained(...) again")
     return replace_linears(model, include, lambda name, base: MultiLoRALinear(base, n_slots, max_rank, mapping))
