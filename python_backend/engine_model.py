@@ -14,6 +14,7 @@ import json
 import os
 import queue
 import threading
+import time
 import traceback
 import uuid
 
@@ -161,12 +162,16 @@ def engine_setting(parameters: dict[str, str], name: str, default: int) -> int:
     return int(os.environ.get(f"MOL2_{name.upper()}", default) if value == "auto" else value)
 
 
+CANCEL_CHECK_S = 0.05
+
+
 class ResponseSink:
     """Sends a turn's responses: one per token when streaming (the text each adds), else one at the end."""
 
     def __init__(self, model: EngineModel, sender, stream: bool, wanted: frozenset[str]):
         self.model, self.sender, self.stream, self.wanted = model, sender, stream, wanted
         self.decode = model.served.tokenizer.decode
+        self._cancelled, self._asked = False, float("-inf")  # Triton's answer, and when it was last asked
 
     def _send(self, turn: Turn, fresh: int, last: bool, flags: int = 0) -> None:
         """The response for the `fresh` newest ids, built and sent on the responder thread: what it needs of the
@@ -219,7 +224,13 @@ class ResponseSink:
             self.model.responder.put(lambda: self.sender.send(error_response(pb, message, "INTERNAL"), flags=final))
 
     def cancelled(self) -> bool:
-        return self.sender.is_cancelled()
+        """Asked of Triton at most every CANCEL_CHECK_S: each ask is a round trip to the server process, and the
+        scheduler asks for every active row each iteration (at 16 rows that was 5 % of its time). A cancelled turn
+        still stops within that time and a step, and stores nothing."""
+        now = time.monotonic()
+        if not self._cancelled and now - self._asked >= CANCEL_CHECK_S:
+            self._asked, self._cancelled = now, self.sender.is_cancelled()
+        return self._cancelled
 
 
 class Responder:
