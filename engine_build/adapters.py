@@ -20,11 +20,8 @@ adapters.md / adapters.json with the table.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
-import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,7 +36,7 @@ from ced.synthetic import ATTENTION, FFN, decoder_modules_regex, make_random_ada
 
 from .data import packed_rows
 from .tokenizer import load_tokenizer
-from .train_config import AdapterTrainConfig  # noqa: F401 - importable from here too
+from .train_config import AdapterTrainConfig
 
 RANDOM_L0_MODULES = ("attn.o_proj", "mlp.up_proj", "mlp.down_proj")
 EVERY_LAYER_DESCRIPTION = "every-layer LoRA (encoder included) for the baseline; refused by the CED engine"

@@ -35,13 +35,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load, save
+from safetensors.torch import save
 
 from ced.config import CEDConfig
 from ced.state import AdapterState, ConversationState, GlobalKV, LocalWindow, Selection, SharedState
 
-from .transfer import TransferError, _checksum, _read_metadata, config_fingerprint, decode_state, encode_state
+from .transfer import (TransferError, _checksum, _read_metadata, config_fingerprint, decode_state, encode_state,
+                       read_checked)
 
 DELTA_FORMAT = "mol2-delta-1"
 TO_DECODE, TO_PREFILL = "to_decode", "to_prefill"
@@ -164,17 +164,7 @@ def is_delta(data: bytes) -> bool:
 
 
 def decode_delta(data: bytes, config: CEDConfig, direction: str) -> Delta:
-    try:
-        tensors, metadata = load(data), _read_metadata(data)
-    except (SafetensorError, ValueError, UnicodeDecodeError) as error:
-        raise TransferError(f"delta bytes are not a readable safetensors record: {error}") from None
-    if metadata.get("format") != DELTA_FORMAT:
-        raise TransferError(f"delta format {metadata.get('format')!r} is not {DELTA_FORMAT!r}")
-    if metadata.get("config") != config_fingerprint(config):
-        raise TransferError("delta was written for another model config "
-                            f"({metadata.get('config')} != {config_fingerprint(config)})")
-    if metadata.get("checksum") != _checksum(tensors, metadata, _COVERED):
-        raise TransferError("delta checksum does not match its contents: the record is damaged")
+    tensors, metadata = read_checked(data, config, DELTA_FORMAT, "delta", _COVERED)
     if metadata.get("direction") != direction:
         raise TransferError(f"a {metadata.get('direction')} delta was sent {direction}")
     try:

@@ -77,19 +77,26 @@ def decode_state(data: bytes, config: CEDConfig) -> ConversationState:
         raise TransferError(f"state bytes do not hold a conversation state: {type(error).__name__}: {error}") from None
 
 
-def _decode_state(data: bytes, config: CEDConfig) -> ConversationState:
+def read_checked(data: bytes, config: CEDConfig, fmt: str, what: str,
+                 covered: tuple[str, ...] = COVERED) -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors and metadata of a record of format `fmt` ("state", "delta": `what`, for the messages), refused
+    unless readable, of that format, written for this model config and matching its checksum."""
     try:
-        tensors = load(data)
-        metadata = _read_metadata(data)
+        tensors, metadata = load(data), _read_metadata(data)
     except (SafetensorError, ValueError, UnicodeDecodeError) as error:
-        raise TransferError(f"state bytes are not a readable safetensors record: {error}") from None
-    if metadata.get("format") != FORMAT:
-        raise TransferError(f"state format {metadata.get('format')!r} is not {FORMAT!r}")
+        raise TransferError(f"{what} bytes are not a readable safetensors record: {error}") from None
+    if metadata.get("format") != fmt:
+        raise TransferError(f"{what} format {metadata.get('format')!r} is not {fmt!r}")
     if metadata.get("config") != config_fingerprint(config):
-        raise TransferError("state was written for another model config "
+        raise TransferError(f"{what} was written for another model config "
                             f"({metadata.get('config')} != {config_fingerprint(config)})")
-    if metadata.get("checksum") != _checksum(tensors, metadata):
-        raise TransferError("state checksum does not match its contents: the record is damaged")
+    if metadata.get("checksum") != _checksum(tensors, metadata, covered):
+        raise TransferError(f"{what} checksum does not match its contents: the record is damaged")
+    return tensors, metadata
+
+
+def _decode_state(data: bytes, config: CEDConfig) -> ConversationState:
+    tensors, metadata = read_checked(data, config, FORMAT, "state")
     try:
         bound_adapter, bound_length = json.loads(metadata["bound_adapter"]), int(metadata["bound_length"])
         bound_digest = json.loads(metadata["bound_digest"])
