@@ -58,8 +58,13 @@ class PackedLinear(nn.Module):
         self.register_buffer("weight_t", transposed(base.weight), persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = torch.matmul(x, self.weight_t)
-        return y if self.bias is None else y + self.bias
+        return packed_linear(x, self.weight_t, self.bias)
+
+
+def packed_linear(x: Tensor, weight_t: Tensor, bias: Tensor | None) -> Tensor:
+    """F.linear(x, weight, bias) from the weight's transposed copy."""
+    y = torch.matmul(x, weight_t)
+    return y if bias is None else y + bias
 
 
 class MultiLoRALinear(nn.Module):
@@ -100,9 +105,7 @@ class MultiLoRALinear(nn.Module):
         self._packed.clear()
 
     def forward(self, x: Tensor) -> Tensor:  # x: (B, T, in)
-        y = torch.matmul(x, self.weight_t)
-        if self.base.bias is not None:
-            y = y + self.base.bias
+        y = packed_linear(x, self.weight_t, self.base.bias)
         slots, host = self.mapping.row_slots, self.mapping.host_slots
         if slots is None:
             return y
@@ -122,7 +125,6 @@ class MultiLoRALinear(nn.Module):
         a, b = self.lora_a[slots[rows]], self.lora_b[slots[rows]]  # (R, r, in), (R, out, r)
         delta = torch.matmul(torch.matmul(x[rows], a.transpose(1, 2)), b.transpose(1, 2))  # (R, T, out)
         return y.index_add(0, rows, delta)
-
 
     def _stacked(self, active: tuple[int, ...]) -> tuple[Tensor, Tensor]:
         """A (U*r, in) and B (out, U*r) of the active slots, in their order; kept until a slot changes. Only the
