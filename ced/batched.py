@@ -104,6 +104,9 @@ class BatchedEngine:
             if row.bound_length != row.length or row.bound_adapter != adapter:
                 raise StateError(f"the adapter-bound windows are for {row.bound_adapter!r} at length "
                                  f"{row.bound_length}, not {adapter!r} at {row.length}: replay first")
+        self.pool.settle(rows)
+        order = sorted(range(len(rows)), key=lambda i: rows[i].slot)  # slot order: the rings are one slice
+        rows, tokens, adapters = [rows[i] for i in order], [tokens[i] for i in order], [adapters[i] for i in order]
         starts = [row.length for row in rows]
         for row in rows:
             self.pool.reserve(row, row.length + 1)
@@ -117,7 +120,7 @@ class BatchedEngine:
             row.tokens.append(token)
             row.bound_length += 1
         self.engine.stats.decoded_tokens += len(rows)
-        return logits
+        return logits[torch.tensor(order).argsort()]  # back in the caller's order
 
     def generate(self, row: Resident, adapter: str | None, logits: Tensor, max_tokens: int,
                  sampling: SamplingParams | None = None, stop_tokens: Iterable[int] = ()) -> Iterator[int]:

@@ -52,6 +52,7 @@ class PagePool:
         self.gv = {s: self._zeros(pages, page_entries, c.n_heads, c.head_dim) for s in c.source_layers}
         self.gi = {s: self._zeros(pages, page_entries, c.index_dim) for s in c.source_layers}
         self.free_slots, self.free_pages = list(range(slots))[::-1], list(range(pages))[::-1]
+        self.holders: dict[int, Resident] = {}  # slot -> the conversation in it (settle moves conversations)
         self.page_refs = [0] * pages  # conversations holding each page: forks share their common prefix's pages
 
     def _zeros(self, *shape) -> Tensor:
@@ -77,7 +78,9 @@ class PagePool:
             self._grow(rings, extra)
             self.stream, self.sel_idx, self.sel_valid = rings["stream"], rings["sel_idx"], rings["sel_valid"]
             self.free_slots = list(range(self.n_slots - extra, self.n_slots))[::-1]
-        return Resident(self.free_slots.pop())
+        conversation = Resident(self.free_slots.pop())
+        self.holders[conversation.slot] = conversation
+        return conversation
 
     def reserve(self, conversation: Resident, length: int) -> None:
         """Pages for the global entries of a context of `length` tokens."""
@@ -94,11 +97,44 @@ class PagePool:
 
     def release(self, conversation: Resident) -> None:
         self.free_slots.append(conversation.slot)
+        del self.holders[conversation.slot]
         for page in conversation.pages:
             self.page_refs[page] -= 1
             if not self.page_refs[page]:
                 self.free_pages.append(page)
         conversation.pages, conversation.slot = [], -1
+
+    def settle(self, conversations: list[Resident]) -> None:
+        """Move these conversations into slots 0..len-1 (any order), so that a decode step reads their rings as
+        one slice of each buffer in place rather than copying them out every step (a copy of each layer's window
+        of every row: a third of a 16-row step). Only conversations outside that range move, each once: a batch
+        that keeps its rows moves nothing; a row that joins moves once."""
+        inside = {c.slot for c in conversations if c.slot < len(conversations)}
+        targets = iter(sorted(set(range(len(conversations))) - inside))
+        for conversation in conversations:
+            if conversation.slot >= len(conversations):
+                self._swap(conversation.slot, next(targets))
+
+    def _slot_buffers(self) -> list[Tensor]:
+        return [*self.wk.values(), *self.wv.values(), *self.pending.values(), self.stream, self.sel_idx,
+                self.sel_valid]
+
+    def _swap(self, a: int, b: int) -> None:
+        """Exchange the contents and the holders of slots a and b (a free one is not copied)."""
+        held_a, held_b = self.holders.pop(a, None), self.holders.pop(b, None)
+        if held_a is None and held_b is None:
+            return
+        for buffer in self._slot_buffers():
+            kept = buffer[b].clone() if held_b is not None else None
+            if held_a is not None:
+                buffer[b] = buffer[a]
+            if kept is not None:
+                buffer[a] = kept
+        for conversation, slot, vacated in ((held_a, b, a), (held_b, a, b)):
+            if conversation is not None:
+                conversation.slot, self.holders[slot] = slot, conversation
+            else:  # `vacated` was free: now `slot` is
+                self.free_slots[self.free_slots.index(vacated)] = slot
 
     def fork(self, conversation: Resident) -> Resident:
         """A second conversation with this one's whole state: its rings copied into a slot of its own, its full
@@ -135,9 +171,7 @@ class PagePool:
         return self.slot_nbytes() + self.page_nbytes() * len(conversation.pages)
 
     def slot_nbytes(self) -> int:
-        return sum(b[0].numel() * b.element_size() for b in (*self.wk.values(), *self.wv.values(),
-                                                             *self.pending.values(), self.stream, self.sel_idx,
-                                                             self.sel_valid))
+        return sum(b[0].numel() * b.element_size() for b in self._slot_buffers())
 
     def page_nbytes(self) -> int:
         return sum(b[0].numel() * b.element_size() for b in (*self.gk.values(), *self.gv.values(), *self.gi.values()))
@@ -191,6 +225,9 @@ class PagedCache:
                  fresh: frozenset[int] = frozenset()):
         self.pool, self.rows, self.starts, self.length, self.fresh = pool, rows, starts, length, fresh
         self.slots = torch.tensor([row.slot for row in rows])
+        first = rows[0].slot
+        # rows in consecutive slots (a settled decode batch, in slot order): their rings are one slice, read in place
+        self.span = slice(first, first + len(rows)) if all(r.slot == first + i for i, r in enumerate(rows)) else None
         self.ends = [start + length for start in starts]
         self.table = pool.page_table(rows)
         self.m = pool.config.block_size
@@ -199,14 +236,16 @@ class PagedCache:
     def extend_window(self, layer: int, k: Tensor, v: Tensor, positions: Tensor):
         pool, ring_k, ring_v = self.pool, self.pool.wk[layer], self.pool.wv[layer]
         if self.length == 1 and layer not in self.fresh:
-            # A decode step: write first, then attend over each row's whole ring in place (its order does not
-            # matter to the softmax): one contiguous copy of the rows' rings, no reordering, no concatenation.
+            # A decode step: write first, then attend over each row's whole ring (its order does not matter to the
+            # softmax): in place where the rows are settled (PagePool.settle), else one contiguous copy of them.
             pool.write_window(ring_k, self.slots, self.starts, k)
             pool.write_window(ring_v, self.slots, self.starts, v)
             if "ring" not in self._past:
                 held = torch.tensor(self.starts)[:, None]
                 ring_positions = held - (held - torch.arange(pool.W)[None]).remainder(pool.W)  # (B, W)
                 self._past["ring"] = ring_positions.masked_fill(ring_positions < 0, FAR)
+            if self.span is not None:
+                return ring_k[self.span], ring_v[self.span], self._past["ring"]
             return ring_k.index_select(0, self.slots), ring_v.index_select(0, self.slots), self._past["ring"]
         # A chunk (prefill, replay): the window before it in order, then the chunk itself.
         count = 0 if layer in self.fresh else min(pool.W, max(self.starts))

@@ -166,3 +166,46 @@ def test_the_pool_grows_and_reuses_pages(engines):
     free = len(batched.pool.free_pages)
     again = prefilled(batched, history(600, 0))
     assert len(batched.pool.free_pages) == free - len(again.pages)
+
+
+def test_a_decode_batch_settles_into_the_first_slots_and_moves_no_state(engines, monkeypatch):
+    """A step moves its rows into slots 0..B-1 (their rings then read in place): its logits and the states it
+    leaves are bitwise those of the same step on unmoved copies (the rings copied out instead), and a bystander
+    moved out of the way keeps its state."""
+    _, batched = engines
+    fillers = [prefilled(batched, history(9, 20 + i)) for i in range(4)]  # slots 0..3
+    rows = [prefilled(batched, history(n, i)) for i, (n, _) in enumerate(ROWS[:3])]  # slots 4..6
+    adapters = [adapter for _, adapter in ROWS[:3]]
+    batched.close(fillers[1])  # a hole at slot 1; slots 0, 2 and 3 stay held by conversations outside the batch
+    bystanders = [fillers[0], fillers[2], fillers[3]]
+    logits, _ = batched.replay(rows, adapters)
+    tokens = logits.argmax(-1).tolist()
+    before = [batched.export(row) for row in bystanders]
+    copies = [batched.fork(row, keep_bound=True) for row in rows]
+    with monkeypatch.context() as patch:  # the copies stay where they are: their step copies the rings out
+        patch.setattr(batched.pool, "settle", lambda conversations: None)
+        expected = batched.step(copies, tokens, adapters)
+    assert sorted(row.slot for row in copies) != [0, 1, 2]
+    assert batched.step(rows, tokens, adapters).equal(expected)
+    assert sorted(row.slot for row in rows) == [0, 1, 2]
+    for row, copy in zip(rows, copies):
+        assert_same_state(batched.export(row), batched.export(copy))
+    for row, state in zip(bystanders, before):
+        assert_same_state(batched.export(row), state)
+    everyone = rows + bystanders + copies
+    assert batched.pool.holders == {row.slot: row for row in everyone} and len(batched.pool.holders) == len(everyone)
+    assert set(batched.pool.free_slots).isdisjoint(batched.pool.holders)
+
+
+def assert_same_state(a, b) -> None:
+    def same(x, y) -> bool:
+        return (x is None and y is None) or x.equal(y)
+
+    assert a.shared.tokens == b.shared.tokens and a.bound.adapter == b.bound.adapter
+    assert same(a.shared.stream, b.shared.stream) and same(a.shared.selection.idx, b.shared.selection.idx)
+    for own, other in ((a.shared.windows, b.shared.windows), (a.bound.windows, b.bound.windows)):
+        for layer, window in own.items():
+            assert same(window.k, other[layer].k) and same(window.v, other[layer].v)
+    for s, store in a.shared.globals.items():
+        other = b.shared.globals[s]
+        assert same(store.k, other.k) and same(store.v, other.v) and same(store.pending, other.pending)
