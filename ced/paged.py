@@ -236,17 +236,20 @@ class PagedCache:
     def extend_window(self, layer: int, k: Tensor, v: Tensor, positions: Tensor):
         pool, ring_k, ring_v = self.pool, self.pool.wk[layer], self.pool.wv[layer]
         if self.length == 1 and layer not in self.fresh:
-            # A decode step: write first, then attend over each row's whole ring (its order does not matter to the
+            # A decode step: write first, then attend over each row's ring (its order does not matter to the
             # softmax): in place where the rows are settled (PagePool.settle), else one contiguous copy of them.
+            # Only the filled places: while every row is shorter than W, the places past the longest are empty.
             pool.write_window(ring_k, self.slots, self.starts, k)
             pool.write_window(ring_v, self.slots, self.starts, v)
+            filled = min(pool.W, max(self.ends))
             if "ring" not in self._past:
                 held = torch.tensor(self.starts)[:, None]
-                ring_positions = held - (held - torch.arange(pool.W)[None]).remainder(pool.W)  # (B, W)
+                ring_positions = held - (held - torch.arange(filled)[None]).remainder(pool.W)  # (B, filled)
                 self._past["ring"] = ring_positions.masked_fill(ring_positions < 0, FAR)
             if self.span is not None:
-                return ring_k[self.span], ring_v[self.span], self._past["ring"]
-            return ring_k.index_select(0, self.slots), ring_v.index_select(0, self.slots), self._past["ring"]
+                return ring_k[self.span, :, :filled], ring_v[self.span, :, :filled], self._past["ring"]
+            copied = (ring[:, :, :filled].index_select(0, self.slots) for ring in (ring_k, ring_v))
+            return *copied, self._past["ring"]
         # A chunk (prefill, replay): the window before it in order, then the chunk itself.
         count = 0 if layer in self.fresh else min(pool.W, max(self.starts))
         if count:
