@@ -87,7 +87,7 @@ class BatchedEngine:
                                   self.pool.read_ring(self.pool.sel_valid, slots, positions))
             cache = PagedCache(self.pool, members, starts, n, fresh=self.bound_layers)
             with self.engine._rows([adapters[i] for i in group]):
-                hidden = self.model.decoder_stage(stream, positions, selection, cache)
+                hidden = self.model.decoder_stage(stream, positions, selection, cache, last_only=True)
                 out = self.model.lm_head(hidden[:, -1])  # (R, V)
             for j, i in enumerate(group):
                 logits[i] = out[j]

@@ -101,9 +101,9 @@ class CEDEngine:
     def _decoder_logits(self, state: ConversationState, stream: Tensor, start: int, selection: Selection,
                         windows: dict, capture: dict[int, list[Tensor]] | None = None) -> Tensor:
         """The decoder (under the rows' mapped adapter) from `stream` at `start`, appending to `windows`; returns
-        the next-token logits (V,) of the last position."""
+        the next-token logits (V,) of the last position (the last layer runs for it alone unless capturing)."""
         hidden = self.model.run_decoder(stream, start, selection, windows,
-                                        state.shared.globals[self.config.decoder_start], capture)
+                                        state.shared.globals[self.config.decoder_start], capture, capture is None)
         return self.model.lm_head(hidden[:, -1])[0]
 
     def _run_shared(self, state: ConversationState, tokens: list[int]) -> SharedOutput:

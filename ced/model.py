@@ -185,23 +185,28 @@ class CEDAttention(nn.Module):
         k_entry = apply_rope(k_entry.transpose(1, 2), block_end, self.config.rope_theta).transpose(1, 2)
         return k_entry, v_entry, self.compressor.index_key(blocks.mean(2))
 
-    def forward(self, xn: Tensor, positions: Tensor, cache: AttentionCache,
-                selection: Selection | None) -> tuple[Tensor, Selection | None]:
-        """xn: (B, T, C) normalized input at positions (B, T); the cache holds what precedes them."""
-        B, T, _ = xn.shape
+    def forward(self, xn: Tensor, positions: Tensor, cache: AttentionCache, selection: Selection | None,
+                last_only: bool = False) -> tuple[Tensor, Selection | None]:
+        """xn: (B, T, C) normalized input at positions (B, T); the cache holds what precedes them. Every position's
+        keys and values go to the cache; with `last_only` only the last position queries: output (B, 1, C)."""
         layer, source, theta = self.role.index, self.role.global_source, self.config.rope_theta
         tables = rope_tables(positions, theta, self.config.head_dim, xn.dtype)  # once for q and k
-        q = apply_rope(self._heads(self.q_proj(xn)).transpose(1, 2), positions, theta, tables)  # (B, H, T, D)
         k = apply_rope(self._heads(self.k_proj(xn)).transpose(1, 2), positions, theta, tables)
         v = self._heads(self.v_proj(xn)).transpose(1, 2)
         if self.compressor is not None:  # first: this chunk's completed blocks are readable by its own queries
             cache.compress(layer, xn, self.pool_blocks)
+        keys, values, key_pos = cache.extend_window(layer, k, v, positions)  # (B, H, S, D) x2, (B or 1, S)
+        if last_only:
+            xn, positions, tables = xn[:, -1:], positions[:, -1:], tuple(t[..., -1:, :] for t in tables)
+            if selection is not None:
+                selection = Selection(selection.idx[:, -1:], selection.valid[:, -1:])
+        B, T, _ = xn.shape
+        q = apply_rope(self._heads(self.q_proj(xn)).transpose(1, 2), positions, theta, tables)  # (B, H, T, D)
         has_entries = source is not None and cache.has_entries(source)
         if self.indexer is not None:  # a new choice over this layer's source; none before the first block ends
             selection = self.indexer.select(xn, cache.index_keys(source), positions, self.config.block_size,
                                             cache.graph) if has_entries else None
 
-        keys, values, key_pos = cache.extend_window(layer, k, v, positions)  # (B, H, S, D) x2, (B or 1, S)
         scale = 1.0 / math.sqrt(self.config.head_dim)
         local = torch.matmul(q, keys.transpose(-1, -2)) * scale  # (B, H, T, S)
         distance = positions[:, :, None] - key_pos[:, None, :]  # (B, T, S)
@@ -246,9 +251,9 @@ class CEDLayer(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = SwiGLU(config)
 
-    def attention_block(self, x, positions, cache, selection):
-        out, selection = self.attn(self.attn_norm(x), positions, cache, selection)
-        return x + out, selection
+    def attention_block(self, x, positions, cache, selection, last_only: bool = False):
+        out, selection = self.attn(self.attn_norm(x), positions, cache, selection, last_only)
+        return (x[:, -1:] if last_only else x) + out, selection
 
     def ffn_block(self, x: Tensor) -> Tensor:
         return x + self.mlp(self.mlp_norm(x))
@@ -322,17 +327,20 @@ class CEDForCausalLM(CEDPreTrainedModel):
         return SharedOutput(h19, x, selection)
 
     def decoder_stage(self, stream: Tensor, positions: Tensor, selection: Selection | None, cache: AttentionCache,
-                      capture: dict[int, list[Tensor]] | None = None) -> Tensor:
+                      capture: dict[int, list[Tensor]] | None = None, last_only: bool = False) -> Tensor:
         """Layer E's FFN and layers E+1..L-1 from the post-attention stream (B, T, C); returns final hidden.
 
-        `capture`, if given, collects each decoder layer's output (B, T, C) under its layer index.
+        `capture`, if given, collects each decoder layer's output (B, T, C) under its layer index. `last_only`: the
+        last layer runs its queries and FFN for the last position only (a replay wants the windows of every
+        position but the next-token logits of the last): returns (B, 1, C).
         """
         E = self.ced.decoder_start
         x = self.model.layers[E].ffn_block(stream)
         if capture is not None:
             capture.setdefault(E, []).append(x)
         for layer in self.model.layers[E + 1:]:
-            x, selection = layer.attention_block(x, positions, cache, selection)
+            final = last_only and layer is self.model.layers[-1]
+            x, selection = layer.attention_block(x, positions, cache, selection, final)
             x = layer.ffn_block(x)
             if capture is not None:
                 capture.setdefault(layer.role.index, []).append(x)
@@ -346,10 +354,11 @@ class CEDForCausalLM(CEDPreTrainedModel):
 
     def run_decoder(self, stream: Tensor, start: int, selection: Selection | None,
                     windows: dict[int, LocalWindow], first_decoder_store: GlobalKV,
-                    capture: dict[int, list[Tensor]] | None = None) -> Tensor:
+                    capture: dict[int, list[Tensor]] | None = None, last_only: bool = False) -> Tensor:
         """`decoder_stage` on one conversation's adapter-bound windows and the first decoder layer's global KV."""
         cache = ListCache(windows, {self.ced.decoder_start: first_decoder_store}, start, self.ced.block_size)
-        return self.decoder_stage(stream, _positions(start, stream.shape[1], stream.device), selection, cache, capture)
+        return self.decoder_stage(stream, _positions(start, stream.shape[1], stream.device), selection, cache, capture,
+                                  last_only)
 
     def new_windows(self, layers) -> dict[int, LocalWindow]:
         return {i: LocalWindow(self.ced.window) for i in layers}

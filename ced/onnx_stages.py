@@ -129,7 +129,8 @@ class DecoderStage(nn.Module):
         self.lora.slots = get["row_slots"]
         try:
             hidden = self.model.decoder_stage(stream, _positions(get["start"], T),
-                                              Selection(get["selection_idx"], get["selection_valid"]), cache)
+                                              Selection(get["selection_idx"], get["selection_valid"]), cache,
+                                              last_only=True)
         finally:
             self.lora.weights, self.lora.slots = {}, None
         logits = self.model.lm_head(hidden[:, -1])  # (B, V)
