@@ -53,20 +53,31 @@ class BatchedEngine:
 
     # -- the verbs ----------------------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def prefill(self, row: Resident, tokens: list[int]) -> Tensor:
         """One chunk of new tokens through the adapter-free stage; returns their H19 (n, C)."""
-        tokens = self._checked(row, tokens)
-        start = row.length
-        self.pool.reserve(row, start + len(tokens))
-        cache = PagedCache(self.pool, [row], [start], len(tokens))
-        with self.engine._rows([None]):
-            out = self.model.shared_stage(torch.tensor([tokens]), _positions([start], len(tokens)), cache)
-        self._keep_stream([row], [start], out)
-        row.tokens.extend(tokens)
-        row.bound_length = -1  # the history grew without the decoder: the next turn replays
-        self.engine.stats.prefilled_positions += len(tokens)
-        return out.h19[0]
+        return self.prefill_rows([row], [tokens])[0]
+
+    @torch.inference_mode()
+    def prefill_rows(self, rows: list[Resident], chunks: list[list[int]]) -> list[Tensor]:
+        """A chunk of new tokens for each row, of any lengths, through the adapter-free stage in one call (shorter
+        chunks padded; what the padding computes is never written and never read by a real position); returns
+        each row's H19 (n, C). Every chunk is checked before any row is touched."""
+        chunks = [self._checked(row, tokens) for row, tokens in zip(rows, chunks)]
+        lengths, starts = [len(chunk) for chunk in chunks], [row.length for row in rows]
+        T = max(lengths)
+        for row, start, n in zip(rows, starts, lengths):
+            self.pool.reserve(row, start + n)
+        ragged = None if min(lengths) == T else lengths
+        cache = PagedCache(self.pool, rows, starts, T, lengths=ragged)
+        ids = torch.tensor([chunk + [0] * (T - len(chunk)) for chunk in chunks])
+        with self.engine._rows([None] * len(rows)):
+            out = self.model.shared_stage(ids, _positions(starts, T), cache)
+        self._keep_stream(rows, starts, out, ragged)
+        for row, chunk in zip(rows, chunks):
+            row.tokens.extend(chunk)
+            row.bound_length = -1  # the history grew without the decoder: the next turn replays
+        self.engine.stats.prefilled_positions += sum(lengths)
+        return [out.h19[b, :n] for b, n in enumerate(lengths)]
 
     @torch.inference_mode()
     def replay(self, rows: list[Resident], adapters: list[str | None]) -> tuple[Tensor, list[int]]:
@@ -215,13 +226,17 @@ class BatchedEngine:
     def _checked(self, row: Resident, tokens: list[int]) -> list[int]:
         return check_tokens(self.config, row.length, tokens)
 
-    def _keep_stream(self, rows: list[Resident], starts: list[int], out: SharedOutput) -> None:
+    def _keep_stream(self, rows: list[Resident], starts: list[int], out: SharedOutput,
+                     lengths: list[int] | None = None) -> None:
         """Layer E's post-attention stream and top-k choice of the new positions, into the replay rings."""
         slots, (B, T, _) = torch.tensor([row.slot for row in rows]), out.stream.shape
         selection = selection_or_none(out.selection, B, T, self.config.index_top_k)
-        self.pool.write_ring(self.pool.stream, slots, starts, out.stream)
-        self.pool.write_ring(self.pool.sel_idx, slots, starts, selection.idx)
-        self.pool.write_ring(self.pool.sel_valid, slots, starts, selection.valid)
+        # An invalid place may name an entry of another row (the batch's index keys are padded to the longest
+        # row): kept as 0, an entry every row can look up when read alone (it gets no weight either way).
+        chosen = selection.idx.masked_fill(~selection.valid, 0)
+        self.pool.write_ring(self.pool.stream, slots, starts, out.stream, lengths)
+        self.pool.write_ring(self.pool.sel_idx, slots, starts, chosen, lengths)
+        self.pool.write_ring(self.pool.sel_valid, slots, starts, selection.valid, lengths)
 
 
 def _positions(starts: list[int], length: int) -> Tensor:

@@ -187,18 +187,36 @@ class PagePool:
         """Rows of `ring` (slots, W, ...) at positions (B, S), in that order: (B, S, ...)."""
         return ring[slots[:, None], positions % self.W]
 
-    def write_ring(self, ring: Tensor, slots: Tensor, starts: list[int], values: Tensor) -> None:
-        """values (B, T, ...) at positions starts..starts+T-1; only the last W can be kept."""
+    def write_ring(self, ring: Tensor, slots: Tensor, starts: list[int], values: Tensor,
+                   lengths: list[int] | None = None) -> None:
+        """values (B, T, ...) at positions starts..starts+T-1; only the last W can be kept. `lengths`: only each
+        row's first n are real (a batch of chunks of different lengths, padded)."""
+        if lengths is not None:
+            rows, columns, places = self._ragged_places(starts, values.shape[1], lengths)
+            ring[slots[rows], places] = values[rows, columns]
+            return
         keep = min(values.shape[1], self.W)
         positions = torch.tensor(starts)[:, None] + torch.arange(values.shape[1] - keep, values.shape[1])[None]
         ring[slots[:, None], positions % self.W] = values[:, -keep:]
+
+    def _ragged_places(self, starts: list[int], T: int, lengths: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+        """(row, column, ring place) of each value to keep: each row's last W of its first `lengths` columns."""
+        columns, n = torch.arange(T)[None], torch.tensor(lengths)[:, None]
+        rows, columns = ((columns < n) & (columns >= n - self.W)).nonzero(as_tuple=True)
+        return rows, columns, (torch.tensor(starts)[rows] + columns) % self.W
 
     def read_window(self, ring: Tensor, slots: Tensor, positions: Tensor) -> Tensor:
         """Window keys or values (slots, H, W, D) at positions (B, S): (B, H, S, D)."""
         return ring[slots[:, None], :, positions % self.W].transpose(1, 2)
 
-    def write_window(self, ring: Tensor, slots: Tensor, starts: list[int], values: Tensor) -> None:
-        """Keys or values (B, H, T, D) at positions starts..starts+T-1; only the last W can be kept."""
+    def write_window(self, ring: Tensor, slots: Tensor, starts: list[int], values: Tensor,
+                     lengths: list[int] | None = None) -> None:
+        """Keys or values (B, H, T, D) at positions starts..starts+T-1; only the last W can be kept (of each row's
+        first `lengths`, if given)."""
+        if lengths is not None:
+            rows, columns, places = self._ragged_places(starts, values.shape[2], lengths)
+            ring[slots[rows], :, places] = values[rows, :, columns]
+            return
         keep = min(values.shape[2], self.W)
         positions = torch.tensor(starts)[:, None] + torch.arange(values.shape[2] - keep, values.shape[2])[None]
         ring[slots[:, None], :, positions % self.W] = values[:, :, -keep:].transpose(1, 2)
@@ -222,13 +240,14 @@ class PagedCache:
     graph = False
 
     def __init__(self, pool: PagePool, rows: list[Resident], starts: list[int], length: int,
-                 fresh: frozenset[int] = frozenset()):
+                 fresh: frozenset[int] = frozenset(), lengths: list[int] | None = None):
         self.pool, self.rows, self.starts, self.length, self.fresh = pool, rows, starts, length, fresh
+        self.lengths = lengths  # a padded batch of chunks: each row's real length (None: all `length`)
         self.slots = torch.tensor([row.slot for row in rows])
         first = rows[0].slot
         # rows in consecutive slots (a settled decode batch, in slot order): their rings are one slice, read in place
         self.span = slice(first, first + len(rows)) if all(r.slot == first + i for i, r in enumerate(rows)) else None
-        self.ends = [start + length for start in starts]
+        self.ends = [start + n for start, n in zip(starts, lengths or [length] * len(rows))]
         self.table = pool.page_table(rows)
         self.m = pool.config.block_size
         self._past = {}  # ring read positions per window length: shared by every layer of the call
@@ -257,8 +276,8 @@ class PagedCache:
                 self._past[count] = pool.ring_positions(self.starts, count)
             past = self._past[count]
             past_k, past_v = pool.read_window(ring_k, self.slots, past), pool.read_window(ring_v, self.slots, past)
-        pool.write_window(ring_k, self.slots, self.starts, k)
-        pool.write_window(ring_v, self.slots, self.starts, v)
+        pool.write_window(ring_k, self.slots, self.starts, k, self.lengths)
+        pool.write_window(ring_v, self.slots, self.starts, v, self.lengths)
         if not count:
             return k, v, positions
         return (torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2),
@@ -274,9 +293,9 @@ class PagedCache:
                 first = torch.tensor([self.starts[b] // m for b in done])
                 self._store_entries(layer, done, first, *pool_blocks(blocks, first))
             return
-        for b, (row, start) in enumerate(zip(self.rows, self.starts)):  # a chunk: rows one at a time
-            held = start % m
-            inputs = torch.cat([pending[row.slot, :held], xn[b]]) if held else xn[b]
+        for b, (row, start, end) in enumerate(zip(self.rows, self.starts, self.ends)):  # a chunk: rows one at a time
+            held, real = start % m, xn[b, : end - start]
+            inputs = torch.cat([pending[row.slot, :held], real]) if held else real
             n_blocks = inputs.shape[0] // m
             rest = inputs[n_blocks * m:]
             pending[row.slot, : rest.shape[0]] = rest

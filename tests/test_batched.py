@@ -209,3 +209,64 @@ def assert_same_state(a, b) -> None:
     for s, store in a.shared.globals.items():
         other = b.shared.globals[s]
         assert same(store.k, other.k) and same(store.v, other.v) and same(store.pending, other.pending)
+
+
+def test_chunks_of_different_lengths_prefill_together_as_each_alone(engines):
+    """One padded call for chunks of several lengths (a row's history from empty, mid-block, past W, and more than W
+    new tokens) leaves each row the state a call of its own leaves, to float tolerance, and the same top-k choice;
+    greedy tokens after the replay are the same."""
+    _, batched = engines
+    W = batched.config.window
+    cases = [(0, 5), (37, 3), (300, 2 * W + 7), (130, 16), (3, W + 1)]  # (history, new tokens)
+    alone, together = [], []
+    for i, (past, _) in enumerate(cases):
+        alone.append(prefilled(batched, history(past, i)) if past else batched.open())
+        together.append(prefilled(batched, history(past, i)) if past else batched.open())
+    chunks = [history(n, 50 + i) for i, (_, n) in enumerate(cases)]
+    expected = [batched.prefill(row, chunk) for row, chunk in zip(alone, chunks)]
+    got = batched.prefill_rows(together, chunks)
+    for a, b, row_a, row_b in zip(expected, got, alone, together):
+        assert a.shape == b.shape and float((a - b).abs().max()) < LOGIT_TOLERANCE
+        state_a, state_b = batched.export(row_a), batched.export(row_b)
+        assert state_a.shared.tokens == state_b.shared.tokens
+        chosen_a, chosen_b = state_a.shared.selection, state_b.shared.selection  # an invalid place's index is noise
+        assert chosen_a.valid.equal(chosen_b.valid)
+        assert chosen_a.idx.masked_fill(~chosen_a.valid, 0).equal(chosen_b.idx.masked_fill(~chosen_b.valid, 0))
+        for layer, window in state_a.shared.windows.items():
+            assert float((window.k - state_b.shared.windows[layer].k).abs().max()) < LOGIT_TOLERANCE
+        for s, store in state_a.shared.globals.items():
+            other = state_b.shared.globals[s]
+            for mine, theirs in ((store.k, other.k), (store.v, other.v), (store.pending, other.pending)):
+                assert (mine is None) == (theirs is None)
+                assert mine is None or float((mine - theirs).abs().max()) < LOGIT_TOLERANCE
+    adapters = ["A1", None, "L0", "A1", "L0"]
+    tokens_a = batched.replay(alone, adapters)[0].argmax(-1)
+    assert batched.replay(together, adapters)[0].argmax(-1).equal(tokens_a)
+
+
+def test_a_bad_chunk_in_a_batch_touches_no_row(engines):
+    _, batched = engines
+    rows = [prefilled(batched, history(20, i)) for i in range(2)]
+    before = [batched.export(row) for row in rows]
+    with pytest.raises(ValueError, match="out of range"):
+        batched.prefill_rows(rows, [history(4, 7), [5, 10**6]])
+    for row, state in zip(rows, before):
+        assert_same_state(batched.export(row), state)
+
+
+def test_a_short_row_stepped_beside_a_long_one_replays_alone(engines):
+    """In a batch the index keys are padded to the longest row, so a short row's invalid top-k places can name
+    entries it does not have; what its rings keep must still be readable by a call of its own (its next turn)."""
+    serial, batched = engines
+    short_tokens, long_tokens = history(9, 1), history(300, 2)  # fewer entries than top_k: some places invalid
+    short, long = prefilled(batched, short_tokens), prefilled(batched, long_tokens)
+    logits, _ = batched.replay([short, long], ["A1", "L0"])
+    ids = []
+    for _ in range(3):
+        ids.append(logits.argmax(-1).tolist())
+        logits = batched.step([short, long], ids[-1], ["A1", "L0"])
+    got, _ = batched.replay([short], ["L0"])  # the short row alone: its page table holds its own pages only
+    state = serial.new_conversation()
+    serial.prefill(state, short_tokens + [row[0] for row in ids])
+    expected, _ = serial.replay(state, "L0")
+    assert float((got[0] - expected).abs().max()) < LOGIT_TOLERANCE
