@@ -223,6 +223,10 @@ class BatchedEngine:
 
     # -- helpers ------------------------------------------------------------------------------------------------
 
+    def check(self, row: Resident, tokens: list[int]) -> None:
+        """Raises what prefill would (ids outside the vocabulary, past the context limit), touching nothing."""
+        self._checked(row, tokens)
+
     def _checked(self, row: Resident, tokens: list[int]) -> list[int]:
         return check_tokens(self.config, row.length, tokens)
 

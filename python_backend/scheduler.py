@@ -111,6 +111,8 @@ class SchedulerStats:
     decode_rows: int = 0  # summed over steps: / steps = mean batch
     decode_steps: int = 0
     prefill_tokens: int = 0
+    prefill_calls: int = 0
+    prefill_rows: int = 0  # summed over calls: / calls = mean rows a prefill call served
     replays: int = 0
 
 
@@ -250,26 +252,29 @@ class Scheduler:
     # -- the three kinds of work ---------------------------------------------------------------------------------
 
     def _prefill(self, budget: int) -> list[Turn]:
-        ready, spent = [], 0
-        for turn in sorted(self.prefilling, key=lambda t: len(t.tokens) - t.prefilled):
-            try:
-                while turn.prefilled < len(turn.tokens):
-                    chunk = turn.tokens[turn.prefilled: turn.prefilled + self.prefill_chunk]
-                    if spent and spent + len(chunk) > budget:
-                        break
-                    turn.h19.append(self.engine.prefill(turn.row, chunk))
-                    turn.prefilled += len(chunk)
-                    spent += len(chunk)
-            except Exception as error:  # noqa: BLE001 - e.g. an id outside the vocabulary: this turn fails alone
-                self._fail(turn, error)
-                continue
-            if turn.prefilled == len(turn.tokens):
-                ready.append(turn)
-            if spent >= budget:
-                break
-        self.stats.prefill_tokens += spent
+        """Prefill chunks under the token budget, in rounds: each unfinished turn, shortest remaining first, adds
+        its next chunk while the budget lasts (the first always goes), and the round's chunks run batched."""
+        ready = [turn for turn in self.prefilling if turn.prefilled == len(turn.tokens)]  # all of it was cached
         for turn in ready:
             self.prefilling.remove(turn)
+        spent = 0
+        while not spent or spent < budget:
+            round_ = []
+            for turn in sorted(self.prefilling, key=lambda t: len(t.tokens) - t.prefilled):
+                chunk = turn.tokens[turn.prefilled: turn.prefilled + self.prefill_chunk]
+                if turn.prefilled >= len(turn.tokens) or spent and spent + len(chunk) > budget:
+                    continue
+                round_.append((turn, chunk))
+                spent += len(chunk)
+            if not round_:
+                break
+            for group in _similar_lengths(round_):
+                self._prefill_group(group)
+            for turn, _ in round_:
+                if turn in self.prefilling and turn.prefilled == len(turn.tokens):
+                    ready.append(turn)
+                    self.prefilling.remove(turn)
+        self.stats.prefill_tokens += spent
         routed = []
         for turn in ready:
             try:
@@ -278,6 +283,29 @@ class Scheduler:
             except Exception as error:  # noqa: BLE001
                 self._fail(turn, error)
         return routed
+
+    def _prefill_group(self, group: list[tuple[Turn, list[int]]]) -> None:
+        """One batched call for chunks of similar lengths; a turn whose chunk is refused fails alone."""
+        runnable = []
+        for turn, chunk in group:
+            try:
+                self.engine.check(turn.row, chunk)  # e.g. an id outside the vocabulary
+                runnable.append((turn, chunk))
+            except Exception as error:  # noqa: BLE001
+                self._fail(turn, error)
+        if not runnable:
+            return
+        try:
+            h19 = self.engine.prefill_rows([turn.row for turn, _ in runnable], [chunk for _, chunk in runnable])
+        except Exception as error:  # noqa: BLE001 - these rows may be part-written: their turns fail
+            for turn, _ in runnable:
+                self._fail(turn, error)
+            return
+        self.stats.prefill_calls += 1
+        self.stats.prefill_rows += len(runnable)
+        for (turn, chunk), rows in zip(runnable, h19):
+            turn.h19.append(rows)
+            turn.prefilled += len(chunk)
 
     def _route(self, turn: Turn) -> None:
         pooled = None
@@ -449,3 +477,15 @@ class Scheduler:
 
 class CancelledTurn(Exception):
     pass
+
+
+def _similar_lengths(chunks: list[tuple[Turn, list[int]]]) -> list[list[tuple[Turn, list[int]]]]:
+    """Chunks in groups that one padded call serves without much waste: each at most twice its group's shortest
+    (a 256-token chunk of a long prompt does not make twenty short prompts compute 256 positions each)."""
+    groups: list[list[tuple[Turn, list[int]]]] = []
+    for turn, chunk in sorted(chunks, key=lambda item: len(item[1])):
+        if groups and len(chunk) <= 2 * len(groups[-1][0][1]):
+            groups[-1].append((turn, chunk))
+        else:
+            groups.append([(turn, chunk)])
+    return groups

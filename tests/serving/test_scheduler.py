@@ -82,6 +82,7 @@ def test_interleaved_turns_are_each_conversations_serial_run(parts, served_dir):
         assert got[cid] == serial_tokens(served_dir, tokenizer, script), cid
         assert store.length_of(cid) == scheduler.resident[cid][0].length
     assert scheduler.stats.decode_rows > scheduler.stats.decode_steps  # rows really shared steps
+    assert scheduler.stats.prefill_rows > scheduler.stats.prefill_calls  # and prompts of different lengths, calls
 
 
 def test_a_cancelled_row_stops_and_stores_nothing(parts):
@@ -136,7 +137,11 @@ def test_a_turn_that_fails_in_prefill_fails_alone(parts):
     store.begin_turn("bad")
     broken = turn("bad", "x", "chat", bad, tokenizer)
     broken.text_ids = [10 ** 6]  # no such token: refused by the engine's prefill
+    beside = Sink()  # arrives with it: the two would share a prefill call
+    store.begin_turn("beside")
     scheduler.submit(broken)
+    scheduler.submit(turn("beside", "hi", "coding", beside, tokenizer, max_tokens=4))
     scheduler.drain()
     assert isinstance(bad.error, ValueError) and "out of range" in str(bad.error)
     assert good.done and good.error is None and len(good.tokens) == 8
+    assert beside.done and beside.error is None and len(beside.tokens) == 4
