@@ -186,11 +186,13 @@ class CEDAttention(nn.Module):
         return k_entry, v_entry, self.compressor.index_key(blocks.mean(2))
 
     def forward(self, xn: Tensor, positions: Tensor, cache: AttentionCache, selection: Selection | None,
-                last_only: bool = False) -> tuple[Tensor, Selection | None]:
+                last_only: bool = False, tables: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Selection | None]:
         """xn: (B, T, C) normalized input at positions (B, T); the cache holds what precedes them. Every position's
-        keys and values go to the cache; with `last_only` only the last position queries: output (B, 1, C)."""
+        keys and values go to the cache; with `last_only` only the last position queries: output (B, 1, C).
+        `tables`: rope_tables of the positions (a stage computes them once for all its layers)."""
         layer, source, theta = self.role.index, self.role.global_source, self.config.rope_theta
-        tables = rope_tables(positions, theta, self.config.head_dim, xn.dtype)  # once for q and k
+        if tables is None:
+            tables = rope_tables(positions, theta, self.config.head_dim, xn.dtype)  # once for q and k
         k = apply_rope(self._heads(self.k_proj(xn)).transpose(1, 2), positions, theta, tables)
         v = self._heads(self.v_proj(xn)).transpose(1, 2)
         if self.compressor is not None:  # first: this chunk's completed blocks are readable by its own queries
@@ -251,8 +253,8 @@ class CEDLayer(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = SwiGLU(config)
 
-    def attention_block(self, x, positions, cache, selection, last_only: bool = False):
-        out, selection = self.attn(self.attn_norm(x), positions, cache, selection, last_only)
+    def attention_block(self, x, positions, cache, selection, last_only: bool = False, tables=None):
+        out, selection = self.attn(self.attn_norm(x), positions, cache, selection, last_only, tables)
         return (x[:, -1:] if last_only else x) + out, selection
 
     def ffn_block(self, x: Tensor) -> Tensor:
@@ -317,8 +319,9 @@ class CEDForCausalLM(CEDPreTrainedModel):
         """Layers 0..E-1 and layer E's attention over input_ids (B, T) at positions (B, T), appending to cache."""
         E = self.ced.decoder_start
         x, selection, h19 = self.model.embed_tokens(input_ids), None, None
+        tables = self._rope(positions, x.dtype)
         for layer in self.model.layers[: E + 1]:
-            x, selection = layer.attention_block(x, positions, cache, selection)
+            x, selection = layer.attention_block(x, positions, cache, selection, tables=tables)
             if layer.role.index == E:
                 break
             x = layer.ffn_block(x)
@@ -338,13 +341,17 @@ class CEDForCausalLM(CEDPreTrainedModel):
         x = self.model.layers[E].ffn_block(stream)
         if capture is not None:
             capture.setdefault(E, []).append(x)
+        tables = self._rope(positions, x.dtype)
         for layer in self.model.layers[E + 1:]:
             final = last_only and layer is self.model.layers[-1]
-            x, selection = layer.attention_block(x, positions, cache, selection, final)
+            x, selection = layer.attention_block(x, positions, cache, selection, final, tables)
             x = layer.ffn_block(x)
             if capture is not None:
                 capture.setdefault(layer.role.index, []).append(x)
         return self.model.norm(x)
+
+    def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        return rope_tables(positions, self.ced.rope_theta, self.ced.head_dim, dtype)
 
     def run_shared(self, input_ids: Tensor, start: int, windows: dict[int, LocalWindow],
                    stores: dict[int, GlobalKV]) -> SharedOutput:
