@@ -31,8 +31,7 @@ from .adapter_set import sync_registry
 from .serving import Served
 from .stages import BASE_NAME, DecodeStage, RouterStage
 from .store import check_id
-from .triton_io import (RequestError, as_scalar, as_text, error_response, json_tensor, optional, required, requested_outputs, response,
-                        text_tensor)
+from .triton_io import RequestError, as_scalar, as_text, error_response, optional, required, requested_outputs
 
 
 class EngineModel:
@@ -172,28 +171,37 @@ class ResponseSink:
         self.model, self.sender, self.stream, self.wanted = model, sender, stream, wanted
         self.decode = model.served.tokenizer.decode
         self._cancelled, self._asked = False, float("-inf")  # Triton's answer, and when it was last asked
+        self._constant: dict[str, np.ndarray] | None = None  # the turn's outputs that never change
 
     def _send(self, turn: Turn, fresh: int, last: bool, flags: int = 0) -> None:
         """The response for the `fresh` newest ids, built and sent on the responder thread: what it needs of the
-        turn is taken now, while the scheduler goes on stepping."""
-        ids, count = window(turn.generated, fresh), len(turn.generated)
-        adapter = turn.decision.adapter if turn.decision else BASE_NAME
-        scores = turn.decision.scores if turn.decision else {}
-        replayed, conversation_id, pb = turn.replayed, turn.conversation_id, self.model.pb
-        prompt_tokens, cached, finish = turn.prompt_tokens, turn.cached, turn.finish_reason if last else ""
+        turn is taken now, while the scheduler goes on stepping. Only the outputs the request asked for are built
+        (see triton_io.response); what stays the same for the whole turn is encoded once, at its first response."""
+        ids, count, pb = window(turn.generated, fresh), len(turn.generated), self.model.pb
+        if self._constant is None:
+            self._constant = self._turn_outputs(turn)
+        dynamic = {"output_tokens": lambda: np.array([count], dtype=np.int32),
+                   "finish_reason": lambda: _text(turn.finish_reason if last else "")}
+        names, constant = self.wanted, self._constant
 
         def send():
-            text = text_delta(self.decode, ids, fresh, last)
-            self.sender.send(response(pb, [
-                text_tensor(pb, "text_output", text), text_tensor(pb, "applied_adapter", adapter),
-                pb.Tensor("replayed_tokens", np.array([replayed], dtype=np.int32)),
-                pb.Tensor("output_tokens", np.array([count], dtype=np.int32)),
-                json_tensor(pb, "route_scores", scores), text_tensor(pb, "conversation_id_out", conversation_id),
-                pb.Tensor("prompt_tokens", np.array([prompt_tokens], dtype=np.int32)),
-                pb.Tensor("cached_tokens", np.array([cached], dtype=np.int32)),
-                text_tensor(pb, "finish_reason", finish)], self.wanted),
-                flags=flags)
+            outputs = {name: constant[name] for name in names if name in constant}
+            outputs.update({name: make() for name, make in dynamic.items() if name in names})
+            if "text_output" in names:
+                outputs["text_output"] = _text(text_delta(self.decode, ids, fresh, last))
+            self.sender.send(pb.InferenceResponse([pb.Tensor(name, array) for name, array in outputs.items()]),
+                             flags=flags)
         self.model.responder.put(send)
+
+    @staticmethod
+    def _turn_outputs(turn: Turn) -> dict[str, np.ndarray]:
+        decision = turn.decision
+        return {"applied_adapter": _text(decision.adapter if decision else BASE_NAME),
+                "route_scores": _text(json.dumps(decision.scores if decision else {}, sort_keys=True)),
+                "replayed_tokens": np.array([turn.replayed], dtype=np.int32),
+                "conversation_id_out": _text(turn.conversation_id),
+                "prompt_tokens": np.array([turn.prompt_tokens], dtype=np.int32),
+                "cached_tokens": np.array([turn.cached], dtype=np.int32)}
 
     def token(self, token: int, turn: Turn) -> None:
         if len(turn.generated) == 1:
@@ -231,6 +239,10 @@ class ResponseSink:
         if not self._cancelled and now - self._asked >= CANCEL_CHECK_S:
             self._asked, self._cancelled = now, self.sender.is_cancelled()
         return self._cancelled
+
+
+def _text(text: str) -> np.ndarray:
+    return np.array([text.encode("utf-8")], dtype=object)
 
 
 class Responder:

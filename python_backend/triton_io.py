@@ -45,10 +45,6 @@ def text_tensor(pb, name: str, text: str):
     return pb.Tensor(name, np.array([text.encode("utf-8")], dtype=object))
 
 
-def json_tensor(pb, name: str, value) -> object:
-    return text_tensor(pb, name, json.dumps(value, sort_keys=True))
-
-
 def requested_outputs(request) -> frozenset[str]:
     """The outputs a request asked for (all of the model's when it named none)."""
     return frozenset(request.requested_output_names())
