@@ -131,6 +131,8 @@ class BatchedEngine:
             row.tokens.append(token)
             row.bound_length += 1
         self.engine.stats.decoded_tokens += len(rows)
+        if order == sorted(order):
+            return logits
         return logits[torch.tensor(order).argsort()]  # back in the caller's order
 
     def generate(self, row: Resident, adapter: str | None, logits: Tensor, max_tokens: int,

@@ -359,6 +359,7 @@ class Scheduler:
                 and row.bound_adapter == turn.adapter and row.bound_length == row.length)
 
     def _decode_step(self) -> None:
+        self.decoding.sort(key=lambda turn: turn.row.slot)  # the step's own order (settled slots): no reordering
         rows = list(self.decoding)
         logits = self.engine.step([t.row for t in rows], [t.next_token for t in rows], [t.adapter for t in rows])
         self.stats.decode_steps += 1
