@@ -98,3 +98,21 @@ def test_slotted_lora_equals_plain_lora(rank, rows):
         torch.testing.assert_close(out[i], lora_forward_reference(x[i], base, a, b), rtol=1e-5, atol=1e-5)
         if slot < 0:
             assert torch.equal(out[i], base(x[i]))
+
+
+def test_top_k_recent_orders_by_score_then_recency():
+    """The integer keys order every float as the floats order (negatives, -0.0 == 0.0, -inf) with ties to the
+    most recent index: the reference is a full sort by (score, index), both descending."""
+    from ced.model import top_k_recent
+
+    scores = torch.randn(3, 5, 200, generator=torch.Generator().manual_seed(3))
+    scores[:, :, 50:80] = 0.0
+    scores[:, :, 60:70] = -0.0
+    scores[:, :, 120:140] = float("-inf")
+    scores[:, :, 140:150] = scores[:, :, 150:160]  # ties of nonzero values
+    scores = scores.round(decimals=1)  # and many more
+    idx, values = top_k_recent(scores, 190)  # deep enough to order the negatives and the -inf
+    for row, (chosen, got) in enumerate(zip(idx.view(-1, 190).tolist(), values.view(-1, 190).tolist())):
+        line = scores.view(-1, 200)[row].tolist()
+        expected = sorted(range(200), key=lambda i: (line[i] + 0.0, i), reverse=True)[:190]
+        assert chosen == expected and got == [line[i] for i in expected]
