@@ -187,7 +187,8 @@ class CEDAttention(nn.Module):
         return k_entry, v_entry, self.compressor.index_key(blocks.mean(2))
 
     def forward(self, xn: Tensor, positions: Tensor, cache: AttentionCache, selection: Selection | None,
-                last_only: bool = False, tables: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Selection | None]:
+                last_only: bool = False,
+                tables: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Selection | None]:
         """xn: (B, T, C) normalized input at positions (B, T); the cache holds what precedes them. Every position's
         keys and values go to the cache; with `last_only` only the last position queries: output (B, 1, C).
         `tables`: rope_tables of the positions (a stage computes them once for all its layers)."""
