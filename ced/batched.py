@@ -9,6 +9,7 @@ bit, and in a batch within float tolerance (tests/test_batched.py).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Iterable, Iterator
 
 import torch
@@ -20,9 +21,20 @@ from .paged import PagedCache, PagePool, Resident, selection_or_none
 from .state import AdapterState, ConversationState, GlobalKV, LocalWindow, Selection, SharedState, StateDelta
 
 
+# Chunk work (prefill, replay) of at least this many positions runs on `chunk_threads`. Below it a second thread
+# cost more than it saved in the server (its time to the first token at one stream of 25-token turns rose from
+# 9 to 12 ms with every chunk on 2 threads), above it the work is large enough to split: in-process a 128-position
+# replay at 8K took 12.7 ms on one thread, 9.6 on two.
+CHUNK_THREADS_MIN_POSITIONS = 128
+
+
 class BatchedEngine:
-    def __init__(self, engine: CEDEngine, page_entries: int = 64):
+    """`chunk_threads`: the torch threads of large prefill and replay calls (None: the caller's setting, as decode
+    steps always use: their ~1,500 small operations lose more to waking a second thread than they gain)."""
+
+    def __init__(self, engine: CEDEngine, page_entries: int = 64, chunk_threads: int | None = None):
         self.engine, self.model, self.config = engine, engine.model, engine.config
+        self.chunk_threads = chunk_threads
         self.adapters = engine.adapters
         self.pool = PagePool(self.config, next(self.model.parameters()).dtype, page_entries)
         self.bound_layers = frozenset(self.config.adapter_bound_layers)
@@ -70,7 +82,7 @@ class BatchedEngine:
         ragged = None if min(lengths) == T else lengths
         cache = PagedCache(self.pool, rows, starts, T, lengths=ragged)
         ids = torch.tensor([chunk + [0] * (T - len(chunk)) for chunk in chunks])
-        with self.engine._rows([None] * len(rows)):
+        with self.engine._rows([None] * len(rows)), self._threads(sum(lengths)):
             out = self.model.shared_stage(ids, _positions(starts, T), cache)
         self._keep_stream(rows, starts, out, ragged)
         for row, chunk in zip(rows, chunks):
@@ -97,7 +109,7 @@ class BatchedEngine:
             selection = Selection(self.pool.read_ring(self.pool.sel_idx, slots, positions),
                                   self.pool.read_ring(self.pool.sel_valid, slots, positions))
             cache = PagedCache(self.pool, members, starts, n, fresh=self.bound_layers)
-            with self.engine._rows([adapters[i] for i in group]):
+            with self.engine._rows([adapters[i] for i in group]), self._threads(n * len(group)):
                 hidden = self.model.decoder_stage(stream, positions, selection, cache, last_only=True)
                 out = self.model.lm_head(hidden[:, -1])  # (R, V)
             for j, i in enumerate(group):
@@ -224,6 +236,19 @@ class BatchedEngine:
             row.bound_adapter, row.bound_length = bound.adapter, length
 
     # -- helpers ------------------------------------------------------------------------------------------------
+
+    @contextmanager
+    def _threads(self, positions: int):
+        """Large chunk work on `chunk_threads`, then back to the caller's setting."""
+        before = torch.get_num_threads()
+        if self.chunk_threads in (None, before) or positions < CHUNK_THREADS_MIN_POSITIONS:
+            yield
+            return
+        torch.set_num_threads(self.chunk_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
 
     def check(self, row: Resident, tokens: list[int]) -> None:
         """Raises what prefill would (ids outside the vocabulary, past the context limit), touching nothing."""

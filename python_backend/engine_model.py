@@ -44,8 +44,9 @@ class EngineModel:
         self.responder = Responder(pb)
         self._synced = served.watcher.current  # the set the engine's registry holds (Served.open synced it)
         if served.settings.engine == "torch":
-            self.scheduler = Scheduler(BatchedEngine(served.engine), served.store, served.tokenizer,
-                                       self._engine_adapter, self._sync_adapters,
+            chunk_threads = engine_setting(parameters, "chunk_threads", len(os.sched_getaffinity(0)))
+            self.scheduler = Scheduler(BatchedEngine(served.engine, chunk_threads=chunk_threads), served.store,
+                                       served.tokenizer, self._engine_adapter, self._sync_adapters,
                                        token_budget=int(parameters.get("token_budget", "512")),
                                        max_resident=int(parameters.get("max_resident", "64")),
                                        prefix_cache_bytes=engine_setting(parameters, "prefix_cache_mb", 1024) << 20

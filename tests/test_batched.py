@@ -270,3 +270,41 @@ def test_a_short_row_stepped_beside_a_long_one_replays_alone(engines):
     serial.prefill(state, short_tokens + [row[0] for row in ids])
     expected, _ = serial.replay(state, "L0")
     assert float((got[0] - expected).abs().max()) < LOGIT_TOLERANCE
+
+
+def test_large_chunk_work_runs_on_the_chunk_threads(adapter_dirs, tiny_model, monkeypatch):
+    """Prefill and replay of at least CHUNK_THREADS_MIN_POSITIONS positions run on `chunk_threads`; smaller ones and
+    decode steps on the caller's setting, which is restored after each call."""
+    from ced import batched as batched_module
+
+    _, batched = make_engines(adapter_dirs, tiny_model)
+    batched.chunk_threads = 2
+    monkeypatch.setattr(batched_module, "CHUNK_THREADS_MIN_POSITIONS", 32)
+    seen = []
+
+    def recording(stage):
+        run = getattr(batched.model, stage)
+
+        def recorded(*args, **kwargs):
+            seen.append((stage, torch.get_num_threads()))
+            return run(*args, **kwargs)
+        return recorded
+
+    for stage in ("shared_stage", "decoder_stage"):
+        monkeypatch.setattr(batched.model, stage, recording(stage))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        row = batched.open()
+        batched.prefill(row, history(40, 1))  # large
+        batched.prefill(row, history(5, 2))  # small
+        logits, _ = batched.replay([row], ["A1"])  # W = 16 positions: small
+        batched.step([row], [int(logits.argmax())], ["A1"])
+        rows = [prefilled(batched, history(20, i)) for i in range(3)]
+        batched.replay(rows, ["A1", "L0", None])  # 3 rows x 16 positions: large
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert seen[:5] == [("shared_stage", 2), ("shared_stage", 1), ("decoder_stage", 1), ("shared_stage", 1),
+                        ("decoder_stage", 1)]
+    assert seen[-1] == ("decoder_stage", 2)
