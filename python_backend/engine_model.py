@@ -181,8 +181,8 @@ class ResponseSink:
         ids, count, pb = window(turn.generated, fresh), len(turn.generated), self.model.pb
         if self._constant is None:
             self._constant = self._turn_outputs(turn)
-        dynamic = {"output_tokens": lambda: np.array([count], dtype=np.int32),
-                   "finish_reason": lambda: _text(turn.finish_reason if last else "")}
+        finish = turn.finish_reason if last else ""
+        dynamic = {"output_tokens": lambda: np.array([count], dtype=np.int32), "finish_reason": lambda: _text(finish)}
         names, constant = self.wanted, self._constant
 
         def send():

@@ -4,9 +4,9 @@ A turn moves through prefill (its new tokens through the adapter-free stage, in 
 `prefill_chunk`), route (an explicit adapter wins; otherwise the MoL2 head on the turn's pooled H19), replay (W
 positions under the adapter: every turn, so a switch costs what a continue costs) and decode. Each iteration of
 the loop runs one batched decode step for every decoding row (each under its own adapter), then prefill chunks
-under a token budget (shortest remaining first, so a long prompt never holds back a short one), then one batched
-replay for the turns whose prefill just ended, whose first tokens go out in the same iteration. Rows join and
-leave at token boundaries.
+under a token budget (shortest remaining first, so a long prompt never holds back a short one; chunks of similar
+lengths share one padded call), then one batched replay for the turns whose prefill just ended, whose first tokens
+go out in the same iteration. Rows join and leave at token boundaries.
 
 Conversations stay resident in the engine's pool between turns; the journal (ConversationStore) is the copy that
 survives. A resident copy is trusted only while the journal is the size this loop left it (another process may
