@@ -30,13 +30,16 @@ CHUNK_THREADS_MIN_POSITIONS = 128
 
 class BatchedEngine:
     """`chunk_threads`: the torch threads of large prefill and replay calls (None: the caller's setting, as decode
-    steps always use: their ~1,500 small operations lose more to waking a second thread than they gain)."""
+    steps always use: their ~1,500 small operations lose more to waking a second thread than they gain).
+    `capacity_bytes`: the pool's room before it must grow (PagePool)."""
 
-    def __init__(self, engine: CEDEngine, page_entries: int = 64, chunk_threads: int | None = None):
+    def __init__(self, engine: CEDEngine, page_entries: int = 64, chunk_threads: int | None = None,
+                 capacity_bytes: int = 0):
         self.engine, self.model, self.config = engine, engine.model, engine.config
         self.chunk_threads = chunk_threads
         self.adapters = engine.adapters
-        self.pool = PagePool(self.config, next(self.model.parameters()).dtype, page_entries)
+        self.pool = PagePool(self.config, next(self.model.parameters()).dtype, page_entries,
+                             capacity_bytes=capacity_bytes)
         self.bound_layers = frozenset(self.config.adapter_bound_layers)
 
     # -- conversations in the pool ----------------------------------------------------------------------------

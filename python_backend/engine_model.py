@@ -45,12 +45,12 @@ class EngineModel:
         self._synced = served.watcher.current  # the set the engine's registry holds (Served.open synced it)
         if served.settings.engine == "torch":
             chunk_threads = engine_setting(parameters, "chunk_threads", len(os.sched_getaffinity(0)))
-            self.scheduler = Scheduler(BatchedEngine(served.engine, chunk_threads=chunk_threads), served.store,
-                                       served.tokenizer, self._engine_adapter, self._sync_adapters,
-                                       token_budget=int(parameters.get("token_budget", "512")),
+            prefix_cache_bytes = engine_setting(parameters, "prefix_cache_mb", 1024) << 20
+            engine = BatchedEngine(served.engine, chunk_threads=chunk_threads, capacity_bytes=prefix_cache_bytes)
+            self.scheduler = Scheduler(engine, served.store, served.tokenizer, self._engine_adapter,
+                                       self._sync_adapters, token_budget=int(parameters.get("token_budget", "512")),
                                        max_resident=int(parameters.get("max_resident", "64")),
-                                       prefix_cache_bytes=engine_setting(parameters, "prefix_cache_mb", 1024) << 20
-                                       ).start()
+                                       prefix_cache_bytes=prefix_cache_bytes).start()
             self.serial = None
         else:  # exported graphs: CEDEngine's interface, one conversation per call
             self.scheduler = None

@@ -9,6 +9,7 @@ import torch
 
 from ced import CEDEngine
 from ced.batched import BatchedEngine
+from ced.paged import PagePool
 
 LOGIT_TOLERANCE = 1e-4  # float32: measured up to ~6e-6 on the tiny preset (batch matmuls block differently)
 
@@ -308,3 +309,32 @@ def test_large_chunk_work_runs_on_the_chunk_threads(adapter_dirs, tiny_model, mo
     assert seen[:5] == [("shared_stage", 2), ("shared_stage", 1), ("decoder_stage", 1), ("shared_stage", 1),
                         ("decoder_stage", 1)]
     assert seen[-1] == ("decoder_stage", 2)
+
+
+def test_a_pool_with_room_does_not_grow_and_never_reads_stale_or_uninitialised_memory(adapter_dirs, tiny_model):
+    """A pool built with a capacity takes conversations without growing; its slots and pages are zeroed when handed
+    out: with every buffer filled with NaN (and impossible entry numbers) first, a conversation's logits are those of
+    a pool that never held anything."""
+    serial, fresh = make_engines(adapter_dirs, tiny_model)
+    _, dirty = make_engines(adapter_dirs, tiny_model)
+    dirty.pool = PagePool(dirty.config, torch.float32, 4, capacity_bytes=64 * dirty.pool.slot_nbytes())
+    slots, pages = dirty.pool.n_slots, dirty.pool.n_pages
+    assert slots >= 64 and pages >= 64 * dirty.pool.slot_nbytes() // dirty.pool.page_nbytes()
+    pool = dirty.pool
+    for buffer in (*pool.wk.values(), *pool.wv.values(), *pool.pending.values(), pool.stream, *pool.gk.values(),
+                   *pool.gv.values(), *pool.gi.values()):
+        buffer.fill_(float("nan"))
+    pool.sel_idx.fill_(10 ** 9)
+    pool.sel_valid.fill_(True)
+    for batched in (fresh, dirty):  # shorter than W (16): the rings' unwritten places are read (and masked)
+        rows = [prefilled(batched, history(n, seed)) for n, seed in ((5, 3), (11, 4), (70, 6))]
+        logits, _ = batched.replay(rows, ["A1", "L0", None])
+        steps = [logits]
+        for _ in range(4):
+            steps.append(batched.step(rows, steps[-1].argmax(-1).tolist(), ["A1", "L0", None]))
+        batched.close(rows[1])
+        again = prefilled(batched, history(3, 5))  # a released slot: its last owner's rings are gone
+        steps.append(batched.replay([again], [None])[0])
+        batched.outputs = torch.cat(steps)
+    assert torch.isfinite(dirty.outputs).all() and dirty.outputs.equal(fresh.outputs)
+    assert (pool.n_slots, pool.n_pages) == (slots, pages)
