@@ -90,12 +90,13 @@ class PagePool:
         self.free_pages = list(range(self.n_pages - extra, self.n_pages))[::-1] + self.free_pages
         self.page_refs.extend([0] * extra)
 
-    def open(self) -> Resident:
+    def open(self, zero: bool = True) -> Resident:
+        """A free slot, zeroed unless the caller writes all of it (`zero=False`)."""
         if not self.free_slots:
             self._grow_slots(self.n_slots)
         conversation = Resident(self.free_slots.pop())
-        for buffer in self._slot_buffers():  # grown slots are uninitialised; a released one holds its last owner's
-            buffer[conversation.slot].zero_()
+        for buffer in self._slot_buffers() if zero else ():  # a grown slot is uninitialised, a released one holds
+            buffer[conversation.slot].zero_()  # its last owner's
         self.holders[conversation.slot] = conversation
         return conversation
 
@@ -156,7 +157,7 @@ class PagePool:
     def fork(self, conversation: Resident) -> Resident:
         """A second conversation with this one's whole state: its rings copied into a slot of its own, its full
         pages shared (append-only: neither writes them again), its last partial page copied (both append there)."""
-        copy = self.open()
+        copy = self.open(zero=False)  # every buffer of the slot is copied below
         for rings in (self.wk, self.wv, self.pending):
             for ring in rings.values():
                 ring[copy.slot] = ring[conversation.slot]

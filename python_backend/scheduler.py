@@ -3,10 +3,11 @@
 A turn moves through prefill (its new tokens through the adapter-free stage, in chunks of the engine's
 `prefill_chunk`), route (an explicit adapter wins; otherwise the MoL2 head on the turn's pooled H19), replay (W
 positions under the adapter: every turn, so a switch costs what a continue costs) and decode. Each iteration of
-the loop runs one batched decode step for every decoding row (each under its own adapter), then prefill chunks
-under a token budget (shortest remaining first, so a long prompt never holds back a short one; chunks of similar
-lengths share one padded call), then one batched replay for the turns whose prefill just ended, whose first tokens
-go out in the same iteration. Rows join and leave at token boundaries.
+the loop runs one batched decode step for every decoding row (each under its own adapter), admits the turns that
+arrived, then runs prefill chunks under a token budget (shortest remaining first, so a long prompt never holds
+back a short one; chunks of similar lengths share one padded call), then one batched replay for the turns whose
+prefill just ended, whose first tokens go out in the same iteration. Rows join and leave at token boundaries. A
+turn that stores nothing is answered when its last token is sampled (`_answer_early`).
 
 Conversations stay resident in the engine's pool between turns; the journal (ConversationStore) is the copy that
 survives. A resident copy is trusted only while the journal is the size this loop left it (another process may
@@ -87,6 +88,7 @@ class Turn:
     next_token: int | None = None  # sampled and sent, to be appended by the next step
     last: bool = False  # next_token is the turn's last
     generator: torch.Generator | None = None
+    answered: bool = False  # its last response is out; the row stays until its last token is appended
     submitted: float = field(default_factory=time.perf_counter)
     bytes_written: int = 0
     bytes_moved: int = 0
@@ -129,6 +131,7 @@ class Scheduler:
         self.incoming: queue.Queue[Turn] = queue.Queue()
         self.prefilling: list[Turn] = []
         self.decoding: list[Turn] = []
+        self.answering: list[Turn] = []  # sampled their last token this iteration, answered at its end
         self.resident: OrderedDict[str, tuple[Resident, int]] = OrderedDict()  # id -> (row, journal size)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mol2-scheduler", daemon=True)
@@ -163,8 +166,9 @@ class Scheduler:
                 self.prefilling, self.decoding = [], []
 
     def iterate(self, block: bool = False) -> None:
-        """One iteration (tests call it directly): admit, decode step, prefill chunks, replay."""
-        self._admit(block and not self.active)
+        """One iteration (tests call it directly): decode step, admit, prefill chunks, replay, early answers."""
+        if not self.active:
+            self._admit(block)
         if self._stop.is_set():
             return
         self._maybe_refresh()
@@ -175,9 +179,11 @@ class Scheduler:
         if self.decoding:
             budget -= len(self.decoding)
             self._decode_step()
+        self._admit(False)  # after the step: what it finished is in the prefix cache for these turns to find
         ready = self._prefill(budget)
         if ready:
             self._replay(ready)
+        self._answer_early()
 
     def drain(self) -> None:
         """Run until nothing is left (tests)."""
@@ -187,7 +193,13 @@ class Scheduler:
     # -- admission --------------------------------------------------------------------------------------------------
 
     def _admit(self, block: bool) -> None:
-        while True:
+        """Open the turns queued now (waiting for one first when `block`). Turns that arrive while these open wait
+        for the next iteration: a burst that trickles in (a request every few ms, each parsed in turn by Triton)
+        starts decoding as it comes, instead of the first arrivals waiting until the last is in."""
+        waiting = self.incoming.qsize()
+        if block and not waiting:
+            waiting = 1
+        for _ in range(waiting):
             try:
                 turn = self.incoming.get(timeout=0.5) if block else self.incoming.get_nowait()
             except queue.Empty:
@@ -383,13 +395,37 @@ class Scheduler:
         turn.last = stop or len(turn.generated) >= turn.max_tokens
         if turn.last:
             turn.finish_reason = "stop" if stop else "length"
+            if turn.stateless or turn.end_conversation:
+                self.answering.append(turn)
         turn.sink.token(token, turn)
 
     # -- the end of a turn ---------------------------------------------------------------------------------------------
 
+    def _answer_early(self) -> None:
+        """A turn that stores nothing (stateless, or ending its conversation) is answered as soon as its last token
+        is sampled, a step and its end sooner: the step that appends the token only serves the prefix cache. The
+        answers go out at the end of the iteration, after its admissions: a client's next request, sent on the
+        answer, is admitted after the next step, and so finds the end state that step puts in the cache."""
+        for turn in self.answering:
+            if turn not in self.decoding:  # failed or cancelled since
+                continue
+            try:
+                if turn.end_conversation and not turn.stateless:
+                    self.store.delete(turn.conversation_id)
+            except Exception as error:  # noqa: BLE001 - not deleted: the client must not think it was
+                self._fail(turn, error)
+                continue
+            self._release(turn)
+            turn.answered = True
+            turn.sink.finished(turn)
+        self.answering = []
+
     def _finish(self, turn: Turn) -> None:
         self.decoding.remove(turn)
         cid = turn.conversation_id
+        if turn.answered:
+            self._keep_end_state(turn.row)
+            return
         if turn.stateless:
             self._keep_end_state(turn.row)
             turn.sink.finished(turn)
@@ -424,6 +460,8 @@ class Scheduler:
             self.resident.pop(turn.conversation_id, None)
             self.engine.close(turn.row)
             turn.row = None
+        if turn.answered:  # released and answered: only its row (and the prefix cache's copy of it) is lost
+            return
         self._release(turn)
         turn.sink.failed(error, turn)
 
@@ -439,7 +477,7 @@ class Scheduler:
             self.engine.close(row)
 
     def _drop_cancelled(self) -> None:
-        for turn in [t for t in self.prefilling + self.decoding if t.sink.cancelled()]:
+        for turn in [t for t in self.prefilling + self.decoding if not t.answered and t.sink.cancelled()]:
             self._fail(turn, CancelledTurn("cancelled by the client"))
 
     def _evict(self) -> None:

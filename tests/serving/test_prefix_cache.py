@@ -2,7 +2,8 @@
 adapter and sent whole under another reuses its prefix and gives the tokens of a run without the cache; forks of
 one history share its pages; a chat resent with its reply reuses the previous request's prompt; eviction keeps
 the cache under its byte budget; a stateful conversation and a stateless request find each other's states; the same
-prompt under the same adapter again skips the replay (its windows and logits are stored)."""
+prompt under the same adapter again skips the replay (its windows and logits are stored); an answer goes out before
+its last token is appended, and a request sent on it still finds the end state."""
 
 from __future__ import annotations
 
@@ -132,3 +133,30 @@ def test_a_fork_outside_inference_mode_writes_buffers_grown_inside_it(scheduler)
     engine.prefill(grown, list(range(1, 300)))  # pages grow inside inference mode
     copy = engine.fork(grown)  # outside: must still write the pool's buffers
     assert copy.tokens == grown.tokens and copy.pages[0] == grown.pages[0]
+
+
+
+
+def test_an_answer_goes_out_before_its_last_token_is_appended_and_a_resend_on_it_finds_the_end_state(scheduler):
+    """A stateless turn is answered when its last token is sampled, its row still to append it; a request sent on
+    that answer (the prompt, the reply, more) is admitted after the appending step, so it starts from the end state
+    that step cached: the prompt and the whole reply."""
+    decision = RouteDecision("chat", 0)
+    prompt, route_start = scheduler.tokenizer.render(chat("Tell me a story about a fox."))
+
+    def request(tokens, sink, max_tokens):
+        return Turn("", [], lambda pooled: decision, sink, max_tokens=max_tokens, explicit=True, prompt=tokens,
+                    route_start=route_start)
+
+    class SendsOnTheAnswer(Sink):
+        def finished(self, turn):
+            super().finished(turn)
+            self.row_still_decoding = turn in scheduler.decoding
+            self.next = request(prompt + self.tokens + scheduler.tokenizer.encode(" And then?"), Sink(), 2)
+            scheduler.submit(self.next)
+
+    answered = SendsOnTheAnswer()
+    scheduler.submit(request(prompt, answered, 6))
+    scheduler.drain()
+    assert answered.done and answered.row_still_decoding and len(answered.tokens) == 6
+    assert answered.next.sink.done and answered.next.cached == len(prompt) + 6
