@@ -354,7 +354,8 @@ class Scheduler:
         for turn, row_logits, count in zip(turns, logits, counts):
             turn.replayed = count
             self.decoding.append(turn)
-            self._next(turn, row_logits)  # the first token is on its way before the cache's copy is made
+            self._next(turn, row_logits)  # every first token is on its way before the cache's copies are made
+        for turn, row_logits in zip(turns, logits):
             # The prompt's end, the adapter's windows and next-token logits: what a resend will match. The row is
             # as the replay left it (the sampled token is appended by the next step), unless the turn has just
             # finished at the context limit (its end state went to the cache then).
