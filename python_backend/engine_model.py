@@ -4,8 +4,9 @@ request parsing and the responses are tested without a server.
 
 The router still runs between the adapter-free stage and the decoder inside the request: the scheduler routes a
 turn on its pooled H19 when its prefill ends. Requests are only parsed and queued here (`execute` returns at
-once); the scheduler's thread sends every response. With `--engine onnxruntime` (or tensorrt) the same turn runs
-serially through the Triton-free stages instead (python_backend/stages.py), one turn at a time.
+once); the responder's thread sends every response and asks Triton about cancellations (Responder). With
+`--engine onnxruntime` (or tensorrt) the same turn runs serially through the Triton-free stages instead
+(python_backend/stages.py), one turn at a time.
 """
 
 from __future__ import annotations
