@@ -90,6 +90,7 @@ def server_environment(overrides: dict[str, str] | None = None) -> dict[str, str
     own_libpython = sysconfig.get_config_var("LIBDIR") if sysconfig.get_config_var("Py_ENABLE_SHARED") else None
     env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [own_libpython, str(libs), env.get("LD_LIBRARY_PATH")]))
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.setdefault("MOL2_PYTHON", sys.executable)  # the engine model's core process runs on it (engine_model.py)
     project = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [project, env.get("PYTHONPATH")]))
     return env

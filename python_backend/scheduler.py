@@ -122,8 +122,11 @@ class Scheduler:
     def __init__(self, engine: BatchedEngine, store: ConversationStore, tokenizer: ChatTokenizer,
                  engine_adapter: Callable[[RouteDecision], str | None], refresh: Callable[[], list[str]],
                  token_budget: int = 512, max_resident: int = 64, prefill_chunk: int = 256,
-                 prefix_cache_bytes: int = 1 << 30):
+                 prefix_cache_bytes: int = 1 << 30, publish: Callable[[], None] = lambda: None):
+        """`publish`: sends what the sinks were given so far (python_backend/engine_core.py's Outbox), called after
+        each decode step and at the end of each iteration."""
         self.engine, self.store, self.tokenizer = engine, store, tokenizer
+        self.publish = publish
         self.prefix = PrefixCache(engine, prefix_cache_bytes)
         self.engine_adapter, self.refresh = engine_adapter, refresh
         self.token_budget, self.max_resident, self.prefill_chunk = token_budget, max_resident, prefill_chunk
@@ -164,6 +167,7 @@ class Scheduler:
                 for turn in self.prefilling + self.decoding:
                     self._fail(turn, RuntimeError("the serving loop failed on this turn's batch (see the log)"))
                 self.prefilling, self.decoding = [], []
+            self.publish()
 
     def iterate(self, block: bool = False) -> None:
         """One iteration (tests call it directly): decode step, admit, prefill chunks, replay, early answers."""
@@ -179,6 +183,7 @@ class Scheduler:
         if self.decoding:
             budget -= len(self.decoding)
             self._decode_step()
+            self.publish()  # the step's tokens go out before this iteration's prefill chunks run
         self._admit(False)  # after the step: what it finished is in the prefix cache for these turns to find
         ready = self._prefill(budget)
         if ready:
