@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import queue
 import shutil
 import subprocess
 import sys
@@ -63,6 +64,10 @@ class EngineModel:
         self._stopping = False
         self.core, self.to_core, self.from_core, model_dir = self._start_core()
         self.decode = ChatTokenizer(Path(model_dir)).decode
+        # The responder never writes to the core: blocked on a full pipe to it, it would stop reading the core's
+        # events, and a core blocked on a full pipe back stops reading requests (a cycle through `execute`).
+        self._cancels: queue.SimpleQueue[int] = queue.SimpleQueue()
+        threading.Thread(target=self._send_cancels, name="mol2-cancels", daemon=True).start()
         self._responder = threading.Thread(target=self._respond, name="mol2-responder", daemon=True)
         self._responder.start()
 
@@ -197,11 +202,16 @@ class EngineModel:
                 continue
             if cancelled:  # the core fails the turn at its next step; its empty last response comes back here
                 pending.cancel_sent = True
-                with self._lock:
-                    try:
-                        self.to_core.send(("cancel", request_id))
-                    except OSError:
-                        pass
+                self._cancels.put(request_id)
+
+    def _send_cancels(self) -> None:
+        while True:
+            request_id = self._cancels.get()
+            with self._lock:
+                try:
+                    self.to_core.send(("cancel", request_id))
+                except OSError:  # the core died: the responder fails the turn with the others
+                    pass
 
     def _replace_core(self) -> None:
         """The core died: its turns fail (stored nothing), and a new core takes the requests that follow."""

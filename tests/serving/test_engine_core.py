@@ -1,17 +1,24 @@
-"""The engine's core process (python_backend/engine_core.py): killed mid-turn, the client gets a clear error, the
-turn stores nothing, a new core serves the next requests and the conversation goes on from its last good turn."""
+"""The engine's core process (python_backend/engine_core.py) behind the stub: a client that cancels its stream stops
+its turn there; a core killed mid-turn gives the client a clear error, the turn stores nothing, a new core serves
+the next requests and the conversation goes on from its last good turn."""
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
+import time
 import urllib.request
 
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+from ced.tokenization import ChatTokenizer
 from python_backend.supervisor import model_processes
 
-from test_triton import generate
+from test_triton import generate, metric_totals
 
 
 def engine_core_pid(ports) -> int:
@@ -52,3 +59,41 @@ def test_a_core_killed_mid_turn_fails_that_turn_and_the_conversation_goes_on(ser
     assert engine_core_pid(server) != core
     # The killed turn left nothing: the conversation answers as its twin, which never had that turn.
     assert answer["text_output"] == generate(server, conversation_id=twin, **after)["text_output"]
+
+
+def grpc_input(name: str, value: np.ndarray) -> grpcclient.InferInput:
+    kinds = {np.dtype(np.int64): "INT64", np.dtype(np.int32): "INT32", np.dtype(bool): "BOOL",
+             np.dtype(object): "BYTES"}
+    tensor = grpcclient.InferInput(name, list(value.shape), kinds[value.dtype])
+    tensor.set_data_from_numpy(value)
+    return tensor
+
+
+def test_a_cancelled_stream_stops_its_turn_and_stores_nothing(server, served_dir):
+    """Straight to the `engine` model over gRPC (Triton's ensemble does not pass a cancel on)."""
+    first = dict(text_input="a conversation whose turn is cancelled", adapter="chat", max_tokens=4)
+    cancelled = generate(server, **first)["conversation_id_out"]
+    twin = generate(server, **first)["conversation_id_out"]
+    ids = ChatTokenizer(served_dir / "model").encode("a long answer")
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    inputs = {"_text_ids": np.array(ids, dtype=np.int64), "conversation_id": np.array([cancelled.encode()], object),
+              "adapter": np.array([b"coding"], object), "max_tokens": np.array([400], np.int32),
+              "ignore_eos": np.array([True]), "stream": np.array([True])}
+    client.async_stream_infer("engine", [grpc_input(name, value) for name, value in inputs.items()])
+    result, error = responses.get(timeout=120)  # its first token is out: the turn is decoding
+    assert error is None, error
+    served_before = metric_totals(server, ["mol2_requests"])["mol2_requests"]
+    started = time.monotonic()
+    client.stop_stream(cancel_requests=True)
+
+    after = dict(text_input="and after that?", adapter="chat", max_tokens=6)
+    while "already has a turn in progress" in (answer := generate(server, conversation_id=cancelled, **after)).get(
+            "error", ""):  # until the core has stopped the turn and released its conversation
+        assert time.monotonic() - started < 60
+        time.sleep(0.05)
+    assert "error" not in answer, answer
+    # Nothing of the cancelled turn was stored: the conversation answers as its twin, which never had that turn.
+    assert answer["text_output"] == generate(server, conversation_id=twin, **after)["text_output"]
+    assert metric_totals(server, ["mol2_requests"])["mol2_requests"] == served_before + 2  # those two, not it
