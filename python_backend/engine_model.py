@@ -119,7 +119,7 @@ class EngineModel:
                 request_id = next(self._ids)
                 self.pending[request_id] = Pending(request.get_response_sender(), requested_outputs(request))
                 inputs = {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
-                batch.append((request_id, inputs, sorted(self.pending[request_id].wanted)))
+                batch.append((request_id, inputs))
             try:
                 self.to_core.send(("requests", batch))
             except OSError:  # the core died: the responder fails these with the others and starts a new one
