@@ -94,7 +94,8 @@ class EngineModel:
             raise CoreFailed(f"the engine's core process exited with code {core.wait()} before it was ready") from None
         if kind != "ready":
             core.wait()
-            raise CoreFailed(f"the engine's core process could not start:\n{detail}")
+            cause = detail.strip().splitlines()[-1] if detail.strip() else "no reason given"
+            raise CoreFailed(f"the engine's core process could not start: {cause}\n{detail}")
         return core, to_core, from_core, detail
 
     def finalize(self) -> None:
