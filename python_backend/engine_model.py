@@ -1,8 +1,8 @@
 """The `engine` Triton model's stub side: one decoupled model that runs a whole turn (prefill -> route -> replay ->
 decode) in its engine core, a process of its own (python_backend/engine_core.py says why and what they exchange).
 
-Here, in Triton's model process: `execute` hands each request's input arrays to the core and returns at once; one
-thread (Responder) turns the core's events into responses, counts the core's metrics, and asks Triton every
+Here, in Triton's model process: `execute` hands each request's input arrays to the core and returns at once; a
+thread, the responder, turns the core's events into responses, counts the core's metrics, and asks Triton every
 CANCEL_CHECK_S whether each client is still there, telling the core when one left. A core that dies fails its
 turns (nothing of them stored: the journal holds each conversation's last good turn) and is started again
 (tests/serving/test_engine_core.py kills one mid-turn).
