@@ -8,7 +8,6 @@ decode without its adapter shows up as written != applied.
 from __future__ import annotations
 
 import threading
-from typing import Callable
 
 DESCRIPTIONS = {
     "mol2_routes_written": "adapter decisions written into a transfer (router stage)",
@@ -27,9 +26,8 @@ DESCRIPTIONS = {
 
 
 class Counters:
-    def __init__(self, pb, stage: str, post: Callable[[Callable[[], None]], None] | None = None):
-        """`post`: where an increment runs (e.g. a thread's queue), if not on the caller's thread."""
-        self.pb, self.stage, self.post = pb, stage, post
+    def __init__(self, pb, stage: str):
+        self.pb, self.stage = pb, stage
         self._families, self._metrics = {}, {}
         self._lock = threading.Lock()
 
@@ -47,10 +45,7 @@ class Counters:
             if key not in self._metrics:
                 self._metrics[key] = self._families[name].Metric(labels={"stage": self.stage, **labels})
             metric = self._metrics[key]
-        if self.post is None:
-            metric.increment(value)
-        else:
-            self.post(lambda: metric.increment(value))
+        metric.increment(value)
 
     def close(self) -> None:
         """Drop the metrics while the model's process can still tell Triton (from `finalize`). One freed later, as

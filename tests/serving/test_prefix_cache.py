@@ -135,8 +135,6 @@ def test_a_fork_outside_inference_mode_writes_buffers_grown_inside_it(scheduler)
     assert copy.tokens == grown.tokens and copy.pages[0] == grown.pages[0]
 
 
-
-
 def test_an_answer_goes_out_before_its_last_token_is_appended_and_a_resend_on_it_finds_the_end_state(scheduler):
     """A stateless turn is answered when its last token is sampled, its row still to append it; a request sent on
     that answer (the prompt, the reply, more) is admitted after the appending step, so it starts from the end state
