@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -25,6 +26,12 @@ from pathlib import Path
 from .seal import SECRET_VARIABLE, create_secret_file
 
 RUN_VARIABLE = "MOL2_SERVER_RUN"  # a fresh id per server start, seen by every model process of that run
+# Triton's APIs that change the server rather than ask it for inference: loading a model is running its code (a
+# Python-backend model.py sent in the load request runs as the server's user), unloading one stops its turns, and
+# shared memory, trace and logging settings reach into the process. Closed on every port to any request without
+# ADMIN_HEADER = the key of that start; health, metadata, model config, statistics and inference stay open.
+RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
+ADMIN_HEADER = "mol2-admin-key"
 
 
 class LaunchError(RuntimeError):
@@ -96,6 +103,27 @@ def server_environment(overrides: dict[str, str] | None = None) -> dict[str, str
     return env
 
 
+def admin_key_path(workdir: Path, ports: Ports) -> Path:
+    """Where a start keeps its admin key (0600): whoever may read it may use the restricted APIs."""
+    return Path(workdir).resolve() / "secrets" / f"admin-{ports.http}"
+
+
+def restricted_api_args(key: str) -> list[str]:
+    """tritonserver's own switches that refuse RESTRICTED_APIS on HTTP and gRPC without ADMIN_HEADER: key."""
+    apis = ",".join(RESTRICTED_APIS)
+    return [f"--http-restricted-api={apis}:{ADMIN_HEADER}={key}",
+            f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={key}"]
+
+
+def _new_admin_key(path: Path) -> str:
+    key = secrets.token_hex(32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+        file.write(key)
+    return key
+
+
 def port_in_use(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(1.0)
@@ -107,7 +135,9 @@ def start(model_repository: Path, ports: Ports, workdir: Path, log_path: Path | 
     """Start tritonserver; `env` adds variables for its model processes (e.g. MOL2_MODEL_DIR). Each start gets a
     run id of its own (RUN_VARIABLE, for whoever needs to tell one run from another), and, unless
     `env` names one (MOL2_SECRET_FILE), a fresh secret for the seals of its internal stages (python_backend/seal.py):
-    a file of the work folder named by the HTTP port, which no other live server can hold."""
+    a file of the work folder named by the HTTP port, which no other live server can hold. The model-repository,
+    shared-memory, trace and logging APIs answer only requests carrying this start's admin key (RESTRICTED_APIS),
+    kept in `admin_key_path(workdir, ports)`."""
     busy = [port for port in (ports.http, ports.grpc, ports.metrics) if port_in_use(ports.host, port)]
     if busy:  # checked first: the ready probe would otherwise find the other server and report it as ours
         raise LaunchError(f"port(s) {', '.join(map(str, busy))} on {ports.host} already in use (another server?): "
@@ -116,6 +146,7 @@ def start(model_repository: Path, ports: Ports, workdir: Path, log_path: Path | 
     model_repository, workdir = Path(model_repository).resolve(), Path(workdir).resolve()  # the server runs in workdir
     if not (env.get(SECRET_VARIABLE) or os.environ.get(SECRET_VARIABLE)):  # internal stages check seals with it
         env[SECRET_VARIABLE] = str(create_secret_file(workdir / "secrets" / f"http-{ports.http}", replace=True))
+    admin_key = _new_admin_key(admin_key_path(workdir, ports))
     server = _wheel_root() / "tritonserver" / "bin" / "tritonserver"
     command = [str(server), f"--model-repository={model_repository}",
                f"--backend-directory={backend_directory(workdir / 'backends')}",
@@ -126,7 +157,7 @@ def start(model_repository: Path, ports: Ports, workdir: Path, log_path: Path | 
                "--model-load-thread-count=16",
                # no auto-complete: every config.pbtxt is complete, and auto-complete starts one more stub per
                # model that imports its model.py (torch for three of them) before the instance's own stub starts
-               "--disable-auto-complete-config", *extra_args]
+               "--disable-auto-complete-config", *restricted_api_args(admin_key), *extra_args]
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
     # cwd: the work folder (it holds only backends/), so that no folder of the caller's working directory can
     # shadow a package the model processes import (their Python puts the working directory on its path)
