@@ -25,6 +25,7 @@ class ChatTokenizer:
             from tokenizers import Tokenizer
 
             self._bpe, self._bytes = Tokenizer.from_file(str(path)), None
+            self._max_token_bytes: int | None = None  # computed on first use
             ids = {name: self._bpe.token_to_id(name) for name in ("<|bos|>", "<|user|>", "<|assistant|>", "<|end|>",
                                                                   "<|eos|>")}
             self.bos, self.user, self.assistant = ids["<|bos|>"], ids["<|user|>"], ids["<|assistant|>"]
@@ -37,6 +38,18 @@ class ChatTokenizer:
     @property
     def trained(self) -> bool:
         return self._bpe is not None
+
+    @property
+    def max_token_bytes(self) -> int:
+        """No token covers more UTF-8 bytes of text than this, so a text of N bytes is at least N / this tokens:
+        what lets a server refuse an oversized prompt without tokenizing it. For a byte-level BPE each character of
+        a vocabulary entry stands for one byte and encodes to one byte or more, so the entries' UTF-8 lengths bound
+        it from above (an overestimate only makes the bound looser, never refuses a prompt that fits)."""
+        if self._bpe is None:
+            return 1
+        if self._max_token_bytes is None:
+            self._max_token_bytes = max(len(token.encode("utf-8")) for token in self._bpe.get_vocab(True))
+        return self._max_token_bytes
 
     def encode(self, text: str) -> list[int]:
         return self._bpe.encode(text).ids if self._bpe else self._bytes.encode(text)
@@ -82,6 +95,11 @@ def check_messages(messages) -> list[dict]:
             raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {message.get('role')!r}")
         if not isinstance(message.get("content"), str):
             raise ValueError(f"messages[{i}].content must be a string")
+        try:
+            message["content"].encode("utf-8")
+        except UnicodeEncodeError as error:  # JSON's "\ud800" parses to a lone surrogate, which is no text
+            raise ValueError(f"messages[{i}].content holds a lone surrogate (U+{ord(error.object[error.start]):04X} "
+                             f"at character {error.start}): not valid Unicode text") from None
     if messages[-1]["role"] == "assistant":
         raise ValueError("the last message must be the user's (or system's): there is nothing to reply to")
     return messages

@@ -48,7 +48,7 @@ from .serving import Served
 from .settings import ServingSettings
 from .stages import BASE_NAME, DecodeStage, RouterStage
 from .store import check_id
-from .triton_io import RequestError, as_scalar, as_text
+from .triton_io import RequestError, as_scalar, as_text, text_size
 
 log = logging.getLogger("mol2.engine")
 
@@ -150,6 +150,8 @@ class EngineCore:
         prompt, route_start = self._stateless_prompt(inputs)
         if prompt is None and "_text_ids" not in inputs:
             raise ValueError("missing input '_text_ids'")
+        if prompt is None and inputs["_text_ids"].size > self.served.store.limits.max_prompt_tokens:
+            self.served.store.limits.check_prompt(inputs["_text_ids"].size)  # before a list of them is made
         text_ids = [] if prompt is not None else inputs["_text_ids"].reshape(-1).tolist()
         check_ids(text_ids, self.served.engine.config.vocab_size, "_text_ids")  # a client may send ids directly
         if prompt is None and not text_ids:
@@ -181,17 +183,24 @@ class EngineCore:
 
     def _stateless_prompt(self, inputs: dict[str, np.ndarray]) -> tuple[list[int] | None, int]:
         """A whole chat (`messages`, JSON) or a raw `prompt`, rendered to tokens; (None, 0) for a stateful turn."""
-        tokenizer = self.served.tokenizer
+        tokenizer, limits = self.served.tokenizer, self.served.store.limits
+        # sizes before any decoding or tokenizing; JSON may spend 6 bytes on one of text (\u00XX) and ~40 on a message
+        limits.check_text("messages", text_size(inputs.get("messages")), 6 * tokenizer.max_token_bytes + 64)
+        limits.check_text("prompt", text_size(inputs.get("prompt")), tokenizer.max_token_bytes)
         messages = as_text(inputs.get("messages"), "messages")
         prompt = as_text(inputs.get("prompt"), "prompt")
         if messages is not None and prompt is not None:
             raise RequestError("give messages or prompt, not both")
         if messages is not None:
             try:
-                parsed = json.loads(messages)
+                parsed = check_messages(json.loads(messages))
             except json.JSONDecodeError as error:
                 raise RequestError(f"messages is not valid JSON: {error}") from None
-            return tokenizer.render(check_messages(parsed))
+            except RecursionError:
+                raise RequestError("messages nests too deeply to be a list of {role, content} objects") from None
+            limits.check_text("messages", sum(len(m["content"].encode("utf-8")) for m in parsed),
+                              tokenizer.max_token_bytes)
+            return tokenizer.render(parsed)
         if prompt is not None:
             if not prompt:
                 raise RequestError("prompt is empty")
@@ -351,6 +360,7 @@ def main(fd_in: int, fd_out: int) -> None:
         elif message[0] == "stop":
             core.stop()
             os._exit(0)  # daemon threads and torch's teardown need not run: nothing is left to store
+        message = None  # not kept until the next one: a refused request's inputs (a prompt of MBs) are freed now
 
 
 if __name__ == "__main__":

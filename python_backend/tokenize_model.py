@@ -6,19 +6,22 @@ from __future__ import annotations
 from ced.tokenization import ChatTokenizer
 
 from .settings import ServingSettings, triton_parameters
-from .triton_io import Outputs, as_text, required, respond_each
+from .triton_io import Outputs, as_text, required, respond_each, text_size
 
 
 class TokenizeModel:
     def __init__(self, pb, model_config: dict):
         self.pb, self.outputs = pb, Outputs(pb, model_config)
-        self.tokenizer = ChatTokenizer(ServingSettings.from_parameters(triton_parameters(model_config)).model_dir)
+        settings = ServingSettings.from_parameters(triton_parameters(model_config))
+        self.tokenizer, self.limits = ChatTokenizer(settings.model_dir), settings.limits
 
     def execute(self, requests) -> list:
         return respond_each(self.pb, requests, self.tokenize, "tokenize")
 
     def tokenize(self, request):
-        text = as_text(required(self.pb, request, "text_input"), "text_input")
+        value = required(self.pb, request, "text_input")
+        self.limits.check_text("text_input", text_size(value), self.tokenizer.max_token_bytes)  # before any work
+        text = as_text(value, "text_input")
         if not text:
             raise ValueError("text_input is empty")
         return self.pb.InferenceResponse([self.outputs.tensor("_text_ids", self.tokenizer.encode(text))])

@@ -30,7 +30,21 @@ def as_text(value, name: str) -> str | None:
     if value.size != 1:
         raise ValueError(f"{name} must hold one string, got shape {value.shape}")
     item = value.reshape(-1)[0]
-    return item.decode("utf-8") if isinstance(item, bytes) else str(item)
+    if not isinstance(item, bytes):
+        return str(item)
+    try:
+        return item.decode("utf-8")
+    except UnicodeDecodeError as error:  # a lone surrogate arrives so too (CESU bytes such as ED A0 80)
+        raise RequestError(f"{name} is not valid UTF-8 text: {error.reason} at byte {error.start} "
+                           f"({item[error.start:error.start + 3].hex(' ')})") from None
+
+
+def text_size(value) -> int:
+    """The bytes of a one-string input, read without decoding it (0 when absent): sizes are checked first."""
+    if value is None or value.size != 1:
+        return 0
+    item = value.reshape(-1)[0]
+    return len(item) if isinstance(item, bytes) else len(str(item).encode("utf-8", "surrogatepass"))
 
 
 def as_scalar(value, name: str, kind: type, default):

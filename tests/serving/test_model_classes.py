@@ -193,6 +193,20 @@ def test_tokenize(pb, config):
     assert_failed_here(bug, pb, "tokenize")
 
 
+def test_tokenize_refuses_oversized_and_invalid_text_before_tokenizing(pb, config):
+    model = TokenizeModel(pb, config("tokenize"))
+    fail_when(model.tokenizer, "encode", lambda text: True)  # any tokenizing is a failure here
+    limit = model.limits.max_prompt_tokens * model.tokenizer.max_token_bytes
+    huge = Request(text_input="x" * (limit + 1))
+    surrogate = Request(text_input=np.array([b"ab\xed\xa0\x80"], dtype=object))  # "\ud800" as CESU bytes
+    huge_answer, surrogate_answer = model.execute([huge, surrogate])
+    assert_refused(huge_answer, f"text_input is {limit + 1:,} bytes")
+    assert "max_prompt_tokens" in huge_answer.error().message()
+    assert_refused(surrogate_answer, "text_input is not valid UTF-8 text")
+    assert "ed a0 80" in surrogate_answer.error().message()
+    assert not pb.logged  # refusals, not failures of ours
+
+
 def test_detokenize(pb, config):
     model = DetokenizeModel(pb, config("detokenize"))
     fail_when(model.tokenizer, "decode", lambda ids: ids == [66])
