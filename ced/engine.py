@@ -37,8 +37,13 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if not (0 <= self.temperature < math.inf and self.top_k >= 0 and 0 < self.top_p <= 1):  # NaN fails too
-            raise ValueError(f"bad sampling parameters: {self}")
+        # each refusal names its field and the value as the engine got it (NaN fails every comparison)
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {self.temperature!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: no top-k filter), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be > 0 and <= 1, got {self.top_p!r}")
 
 
 @dataclass

@@ -43,6 +43,9 @@ TRITON_PARSER_ERRORS = ("Unable to parse", "failed to parse the request JSON buf
                         "Expected JSON object for keyword", "HTTP end point doesn't support models with decoupled")
 _FLOATS = {"TYPE_FP16": 65504.0, "TYPE_BF16": 3.3895313892515355e38, "TYPE_FP32": 3.4028234663852886e38,
            "TYPE_FP64": 1.7976931348623157e308}
+# the smallest positive value of each type (subnormal): a number at most half of it would arrive as 0
+_FLOAT_TINY = {"TYPE_FP16": 5.960464477539063e-08, "TYPE_BF16": 9.183549615799121e-41,
+               "TYPE_FP32": 1.401298464324817e-45, "TYPE_FP64": 5e-324}
 
 
 @dataclass(frozen=True)
@@ -185,6 +188,9 @@ def _check_element(name: str, item, data_type: str) -> None:
         if not math.isfinite(item) or abs(item) > _FLOATS[data_type]:
             raise Refusal(400, f"{name} must be a finite number within {data_type[5:]}'s range, got {item}",
                           "field_type")
+        if item != 0 and abs(item) <= _FLOAT_TINY[data_type] / 2:  # top_p 5e-324 reached the engine as 0.0
+            raise Refusal(400, f"{name} {item!r} is too small for {data_type[5:]}: it would arrive as 0 (the smallest "
+                               f"positive {data_type[5:]} is {_FLOAT_TINY[data_type]:.4g})", "field_type")
 
 
 def _scalar(value) -> bool:

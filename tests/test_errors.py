@@ -195,10 +195,11 @@ def test_register_replace_unload(engine, adapter_dirs):
 
 @pytest.mark.parametrize("values", [{"temperature": float("nan")}, {"temperature": float("inf")},
                                     {"temperature": -1.0}, {"top_p": 0.0}, {"top_k": -1}])
-def test_bad_sampling_parameters_are_refused(values):
+def test_bad_sampling_parameters_are_refused_naming_the_field(values):
     from ced.engine import SamplingParams
 
-    with pytest.raises(ValueError, match="bad sampling parameters"):
+    (field, value), = values.items()
+    with pytest.raises(ValueError, match=f"^{field} must be .*, got {value!r}$"):
         SamplingParams(**values)
 
 

@@ -56,6 +56,7 @@ def test_json_depth_counts_brackets_outside_strings_only():
     ({"text_input": 5}, "text_input must be a string, got 5"),
     ({"text_input": "hi", "top_p": "high"}, 'top_p must be a number, got "high"'),
     ({"text_input": "hi", "top_p": 1e39}, "top_p must be a finite number within FP32's range"),
+    ({"text_input": "hi", "top_p": 5e-324}, "top_p 5e-324 is too small for FP32: it would arrive as 0"),
     ({"text_input": "hi", "max_tokens": [1, 2]}, "max_tokens must hold 1 value (dims [1]), got 2"),
     ({"text_input": "hi", "max_tokens": None}, "max_tokens must be an integer, got null"),
     ({"max_tokens": 4}, "text_input is required (an input of model m that is not optional)"),
