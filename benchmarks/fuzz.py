@@ -7,15 +7,20 @@ and infinite numbers, lone surrogates, paths as adapter names and conversation i
 nested up to 300,000 deep: such a body kills an unguarded tritonserver), `infer:MODEL` (every input of every
 model the server lists, internal ones included, over HTTP infer, or generate and gRPC streaming for a decoupled
 model; internal inputs name conversations the fuzz did not start), `concurrent_turns` (several turns at once on
-one conversation) and `bystander_refusals` (requests that must be refused, naming a conversation the fuzz did not
-start).
+one conversation), `bystander_refusals` (requests that must be refused, naming a conversation the fuzz did not
+start), `repository_api` (model loads carrying code, unloads, the repository index, log, trace and shared-memory
+settings, over HTTP and gRPC, with no key or a wrong one: every one must be refused, none may run code or unload a
+model), and on a server with the OpenAI API `openai_json` (chat and completion bodies, three fields in four well
+typed) and `openai_malformed` (bodies that are not JSON, nested deep, 5 and 64 MiB, invalid UTF-8, adapter paths
+that are none).
 
 Columns: `status_2xx` / `status_4xx` / `status_5xx` (HTTP status, or the gRPC code; an error inside a 200 event
 stream counts as 5xx when it is a failure of ours, "... failed: Type: ...", as the models word them; of the 5xx,
 `status_5xx_triton` are tritonserver's own HTTP parser refusing an /infer body with a 500), `crashes`
 (the server died or restarted), `hangs` (no answer within the timeout), `state_changed` (conversations the fuzz
 did not start whose journal bytes changed, that appeared or vanished, or whose turn lock is left held; new files
-outside the store count too).
+outside the store count too; in `repository_api`, a model no longer ready or a loaded model's code that ran).
+In `repository_api` a 2xx is a failure: the operation was allowed.
 
 `python -m benchmarks.fuzz` starts a fresh `mol2 serve` (with --quick only it) and a disaggregated pair, each on a
 store of its own seeded with bystander conversations; tests/serving/test_fuzz.py runs a bounded pass against the
@@ -46,6 +51,7 @@ import numpy as np
 
 from python_backend.guard import TRITON_PARSER_ERRORS
 
+from . import _fuzz_ports as ports
 from ._report import add_plot_option, markdown_table, plot_path, save_figure, write_json
 
 COLUMNS = ["category", "requests", "status_2xx", "status_4xx", "status_5xx", "crashes", "hangs", "state_changed",
@@ -75,6 +81,8 @@ class Target:
     restarts: Callable[[], int]
     recover: Callable[[], bool]
     timeout_s: float = 120.0
+    openai: str | None = None  # host:port of its OpenAI API (None: it serves none)
+    repository: Path | None = None  # the model repository it serves (None: this project's model_repository/)
     owned: set = field(default_factory=set)  # conversations the fuzz started (it may change them)
     bystanders: list = field(default_factory=list)  # conversations it did not start (it must not change them)
 
@@ -87,11 +95,11 @@ class Answer:
 
 
 def http_request(target: Target, method: str, path: str, body: bytes | None = None,
-                 timeout_s: float | None = None) -> Answer:
+                 timeout_s: float | None = None, headers: dict | None = None) -> Answer:
     host, port = target.http.rsplit(":", 1)
     connection = http.client.HTTPConnection(host, int(port), timeout=timeout_s or target.timeout_s)
     try:
-        connection.request(method, path, body=body, headers={"Content-Type": "application/json"})
+        connection.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
         response = connection.getresponse()
         data = response.read()
     except TimeoutError:
@@ -278,7 +286,10 @@ def strategies(target: Target, configs: dict[str, dict]):
                                            "/v2/models/mol2/versions/1/generate"]))
     deep = st.tuples(st.sampled_from(DEPTHS), st.sampled_from("[{"), st.booleans()).map(lambda t: nested_body(*t))
     return {"generate": generate, "malformed": malformed, "deep": deep,
-            "infer": {model: infer_request(st, target, config, small) for model, config in configs.items()}}
+            "infer": {model: infer_request(st, target, config, small) for model, config in configs.items()},
+            "repository": ports.repository_request(st),
+            "openai": ports.openai_request(st, ADAPTERS[:2], hostile, small),
+            "openai_malformed": ports.openai_malformed(st, truncated, PATHS, DEPTHS[:3])}
 
 
 def huge(unit: str):
@@ -414,7 +425,8 @@ class Tally:
                                                  for p in TRITON_PARSER_ERRORS)
         self.row["status_5xx_triton"] += upstream
         # a 2xx where every request must be refused is a failure too
-        notable = answer.kind not in ("2xx", "4xx") or answer.kind == "2xx" and "bystander" in self.row["category"]
+        must_refuse = "bystander" in self.row["category"] or "repository" in self.row["category"]
+        notable = answer.kind not in ("2xx", "4xx") or answer.kind == "2xx" and must_refuse
         shown = sum(sample.startswith("triton") for sample in self.samples) if upstream else \
             sum(not sample.startswith("triton") for sample in self.samples)
         if notable and shown < (2 if upstream else 6):
@@ -513,17 +525,37 @@ def bystander_request(st, bystanders):
 
 
 def model_configs(target: Target) -> dict[str, dict]:
-    """Every model the server has ready, with its config (through the HTTP port clients reach)."""
-    index = http_request(target, "POST", "/v2/repository/index", b"{}", timeout_s=30)
-    if index.kind != "2xx":
-        raise RuntimeError(f"{target.name}: the repository index was refused: {index.text[:200]}")
+    """Every model of the served repository that the server has ready, with its config (through the HTTP port
+    clients reach; the repository index is closed to clients)."""
+    from python_backend.settings import ROOT
+
+    repository = target.repository or ROOT / "model_repository"
     configs = {}
-    for entry in json.loads(index.text):
-        if entry.get("state") == "READY":
-            answer = http_request(target, "GET", f"/v2/models/{entry['name']}/config", timeout_s=30)
+    for folder in sorted(path for path in repository.iterdir() if (path / "config.pbtxt").is_file()):
+        if http_request(target, "GET", f"/v2/models/{folder.name}/ready", timeout_s=30).kind == "2xx":
+            answer = http_request(target, "GET", f"/v2/models/{folder.name}/config", timeout_s=30)
             if answer.kind == "2xx":
-                configs[entry["name"]] = json.loads(answer.text)
+                configs[folder.name] = json.loads(answer.text)
+    if not configs:
+        raise RuntimeError(f"{target.name}: none of the models of {repository} is ready")
     return configs
+
+
+def send_repository(target: Target, drawn) -> Answer:
+    return ports.send_repository(target, drawn, http_request, Answer)
+
+
+def send_openai(target: Target, drawn) -> Answer:
+    path, body = drawn
+    data = body if isinstance(body, bytes) else _dumps(body, False)
+    return ports.openai_post(target.openai, path, data, target.timeout_s, Answer)
+
+
+def unready(target: Target, models: list[str]) -> list[str]:
+    """What a repository category may have done: models no longer ready, code of a loaded model that ran."""
+    gone = [f"model {name} no longer ready" for name in models
+            if http_request(target, "GET", f"/v2/models/{name}/ready", timeout_s=30).kind != "2xx"]
+    return gone + (["a model sent in a load request ran its code"] if ports.intruder_ran() else [])
 
 
 def seed_conversations(target: Target, bystanders: int, owned: int) -> None:
@@ -537,9 +569,11 @@ def seed_conversations(target: Target, bystanders: int, owned: int) -> None:
 
 
 QUICK = {"generate_json": 40, "generate_stream": 15, "malformed_json": 30, "deep_nesting": 10, "infer": 8,
-         "concurrent_turns": 4, "bystander_refusals": 15}
+         "concurrent_turns": 4, "bystander_refusals": 15, "repository_api": 20, "openai_json": 40,
+         "openai_malformed": 25}
 FULL = {"generate_json": 260, "generate_stream": 90, "malformed_json": 140, "deep_nesting": 20, "infer": 40,
-        "concurrent_turns": 16, "bystander_refusals": 60}
+        "concurrent_turns": 16, "bystander_refusals": 60, "repository_api": 80, "openai_json": 300,
+        "openai_malformed": 120}
 
 
 def fuzz(target: Target, counts: dict[str, int], seed: int = 0, models: list[str] | None = None,
@@ -565,13 +599,21 @@ def fuzz(target: Target, counts: dict[str, int], seed: int = 0, models: list[str
                   counts["concurrent_turns"]),
                  ("bystander_refusals", bystander_request(st, target.bystanders), send_body,
                   counts["bystander_refusals"])]
+    plan += [("repository_api", made["repository"], send_repository, counts.get("repository_api", 0))]
+    if target.openai:
+        ports.wait_openai(target.openai)
+        plan += [("openai_json", made["openai"], send_openai, counts.get("openai_json", 0)),
+                 ("openai_malformed", made["openai_malformed"], send_openai, counts.get("openai_malformed", 0))]
     rows, samples = [], []
+    ports.MARKER.unlink(missing_ok=True)
     for number, (category, strategy, send, examples) in enumerate(plan):
         tally = Tally(category if target.name == "" else f"{target.name}/{category}")
         before = snapshot(target)
         started = time.monotonic()
         serving = run_category(target, tally, strategy, send, examples, seed + number)
         differences = changed(target, before, snapshot(target))
+        if category == "repository_api":
+            differences += unready(target, sorted(configs))
         tally.row["state_changed"] = len(differences)
         samples += [f"{tally.row['category']}: {sample}" for sample in tally.samples]
         samples += [f"{tally.row['category']}: changed {key}" for key in differences[:5]]
@@ -678,12 +720,19 @@ def _free_ports(count: int) -> list[int]:
 
 
 def served(name: str, work: Path, extra: list[str], logs: Path) -> tuple[ServedProcess, Target]:
-    http_port, grpc_port, metrics_port = _free_ports(3)
+    """A `mol2 serve` of role `name` on free ports; the single server (role all) with its OpenAI API."""
+    from python_backend.settings import ROOT
+
+    http_port, grpc_port, metrics_port, openai_port = _free_ports(4)
     store = work / f"{name}-store"
+    openai = ["--openai-port", str(openai_port)] if name == "single" else ["--openai-port", "0"]
     process = ServedProcess(["--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port",
                              str(metrics_port), "--store", str(store), "--log", str(logs / f"fuzz_{name}.log"),
-                             *extra], http_port, logs / f"fuzz_{name}.out", {})
-    target = Target(name, process.http, f"127.0.0.1:{grpc_port}", store, process.restarts, process.recover)
+                             *openai, *extra], http_port, logs / f"fuzz_{name}.out", {})
+    target = Target(name, process.http, f"127.0.0.1:{grpc_port}", store, process.restarts, process.recover,
+                    openai=f"127.0.0.1:{openai_port}" if name == "single" else None)
+    if name == "prefill":  # its relays stand in a repository it generates (python_backend/serve_cli.py)
+        target.repository = ROOT / "artifacts" / "triton" / f"prefill-repository-{grpc_port}"
     return process, target
 
 

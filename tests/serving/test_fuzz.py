@@ -1,5 +1,5 @@
-"""A bounded fuzz pass (benchmarks/fuzz.py, ~150 generated requests over every category and every model's inputs)
-against the test server behind the HTTP guard, as `mol2 serve` puts it: no crash, no hang, no 5xx (tritonserver's
+"""A bounded fuzz pass (benchmarks/fuzz.py, ~200 generated requests over every category and every model's inputs,
+Triton's restricted APIs and the OpenAI port) against the test server behind the HTTP guard, as `mol2 serve` puts it: no crash, no hang, no 5xx (tritonserver's
 own 500s for /infer bodies it cannot parse reach the client as 400s), and every conversation the fuzz did not start
 bitwise unchanged with its turn lock free."""
 
@@ -15,9 +15,11 @@ import pytest
 from benchmarks.fuzz import COLUMNS, Target, fuzz, seed_conversations, totals
 from benchmarks._report import markdown_table
 from python_backend.launcher import Ports
+from python_backend.openai_api import OpenAIServer, OpenAISettings
 
 COUNTS = {"generate_json": 30, "generate_stream": 10, "malformed_json": 20, "deep_nesting": 8, "infer": 5,
-          "concurrent_turns": 3, "bystander_refusals": 12}
+          "concurrent_turns": 3, "bystander_refusals": 12, "repository_api": 16, "openai_json": 20,
+          "openai_malformed": 14}
 
 
 @contextlib.contextmanager
@@ -48,10 +50,14 @@ def live(server) -> bool:
         return False
 
 
-def test_a_bounded_fuzz_pass(server, served_dir):
-    with guard_in_front(server.http_url) as guarded:
+def test_a_bounded_fuzz_pass(server, served_dir, repository):
+    settings = OpenAISettings(server.grpc_url, served_dir / "model", served_dir / "adapter_set.json")
+    with guard_in_front(server.http_url) as guarded, contextlib.ExitStack() as stack:
+        api = OpenAIServer(settings, port=0).start()
+        stack.callback(api.stop)
         target = Target("", guarded, server.grpc_url, served_dir / "conversations",
-                        restarts=lambda: 0 if live(server) else 1, recover=lambda: False, timeout_s=60)
+                        restarts=lambda: 0 if live(server) else 1, recover=lambda: False, timeout_s=60,
+                        openai=api.url.removeprefix("http://"), repository=repository)
         seed_conversations(target, bystanders=3, owned=3)
         rows, samples = fuzz(target, COUNTS, seed=0)
     table = markdown_table([*rows, totals(rows)], COLUMNS) + "\n" + "\n".join(samples)
@@ -63,6 +69,9 @@ def test_a_bounded_fuzz_pass(server, served_dir):
     assert total["status_2xx"] > 10 and total["status_4xx"] > 50, table  # it both served and refused
     models = {row["category"].split(":", 1)[1] for row in rows if row["category"].startswith("infer:")}
     assert {"prefill", "router", "decode", "detokenize", "tokenize", "engine", "route", "mol2"} <= models, models
+    by_category = {row["category"]: row for row in rows}
+    assert by_category["repository_api"]["status_2xx"] == 0, table  # no restricted operation was allowed
+    assert by_category["openai_json"]["status_2xx"] > 0 and by_category["openai_malformed"]["status_4xx"] > 0, table
 
 
 @pytest.mark.parametrize("depth", [100_000, 300_000])
