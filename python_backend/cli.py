@@ -69,6 +69,9 @@ def add_serve(commands, **options) -> None:
                         help="largest HTTP request body; larger ones get 413 (default 4M)")
     parser.add_argument("--max-json-depth", type=int,
                         help="deepest JSON nesting of an HTTP request; deeper ones get 400 (default 64)")
+    parser.add_argument("--max-grpc-message-bytes", type=limits.parse_size, default=64 << 20,
+                        help="largest gRPC message (a request, or a conversation's state sent to a decode server); "
+                             "larger ones get RESOURCE_EXHAUSTED (default 64M)")
     parser.add_argument("--openai-port", type=int, default=9000,
                         help="port of the OpenAI-compatible API (/v1/chat/completions, /v1/models, ...) on --host, "
                              "started once tritonserver is ready (default 9000; 0: off; --role all only)")

@@ -14,13 +14,14 @@ import time
 from pathlib import Path
 
 from . import limits
+from .grpc_guard import GrpcGuard, serve_grpc_guard
 from .guard import Guard, GuardLimits, ServerState, serve_guard
 from .launcher import LaunchError, Ports, port_in_use, start
 from .roles import PAIR_SECRET, build_prefill_repository, decode_models, single_server_models
 from .seal import SECRET_VARIABLE, SealError, create_secret_file
 from .settings import ROOT, write_demo_adapter_set
 from .store import StoreHold, StoreInUse, hold_store
-from .supervisor import Peer, Supervisor
+from .supervisor import Peer, Supervisor, free_loopback_port
 
 def prepare_demo() -> Path:
     """The served model: the demo every command uses (ced/demo.py), the one the Triton models find too."""
@@ -137,9 +138,10 @@ def serve(args: argparse.Namespace) -> None:
     env = {**engine_settings(args, model_dir), **secret_settings(args), **limit_env}
     print(f"serving {model_dir} (adapters: {model_dir.parent / 'adapter_set.json'}); role {args.role}; engine "
           f"{args.engine}; store {env['MOL2_STORE_DIR']}; log: {args.log}")
-    # tritonserver's HTTP and metrics listen on loopback ports of their own, behind the guard; gRPC is public.
-    extra_args = [*extra_args, f"--grpc-address={public.host}", "--http-address=127.0.0.1",
-                  "--metrics-address=127.0.0.1"]
+    # tritonserver listens on loopback ports of its own, behind the guards (HTTP: guard.py, gRPC: grpc_guard.py); its
+    # gRPC port is chosen once and kept over restarts, so the OpenAI front end's connection to it outlives them
+    internal_grpc = free_loopback_port()
+    extra_args = [*extra_args, "--grpc-address=127.0.0.1", "--http-address=127.0.0.1", "--metrics-address=127.0.0.1"]
     launch = lambda ports: start(repository, ports, ROOT / "artifacts/triton", Path(args.log), extra_args,  # noqa
                                  env=env)
     peers = (Peer(args.decode_url, tuple(decode_models(Path(args.model_repository)))),) if args.role == "prefill" \
@@ -151,9 +153,10 @@ def serve(args: argparse.Namespace) -> None:
                    **{name[5:].lower(): value for name, value in env.items() if name.startswith("MOL2_MAX")
                       or name == "MOL2_IDLE_TIMEOUT_S"}}})
     guard = Guard(state, GuardLimits(args.max_body_bytes, args.max_json_depth))
-    supervisor = Supervisor(state, launch, public.grpc, peers)
+    grpc_guard = GrpcGuard(state, f"127.0.0.1:{internal_grpc}", args.max_grpc_message_bytes)
+    supervisor = Supervisor(state, launch, internal_grpc, peers)
     try:
-        asyncio.run(_serve(args, public, guard, supervisor))
+        asyncio.run(_serve(args, public, guard, grpc_guard, supervisor))
     except LaunchError as error:
         raise SystemExit(f"mol2 serve: {error}; see {args.log}") from None
     finally:
@@ -161,16 +164,18 @@ def serve(args: argparse.Namespace) -> None:
             store.release()
 
 
-def start_openai(args: argparse.Namespace, public: Ports):
+def start_openai(args: argparse.Namespace, public: Ports, grpc: str):
     """The OpenAI-compatible API (python_backend/openai_api) in this process, talking to tritonserver's `engine` over
-    gRPC; None when --openai-port is 0 or the role has no engine (prefill / decode servers)."""
+    its loopback gRPC port `grpc`; None when --openai-port is 0 or the role has no engine (prefill / decode
+    servers)."""
     if not args.openai_port or args.role != "all":
         return None
     from .openai_api import OpenAIServer, OpenAISettings
 
-    grpc = f"127.0.0.1:{public.grpc}" if public.host in ("0.0.0.0", "::", "") else public.grpc_url
     # the model and adapter set: resolved as the engine resolves them (the same MOL2_* variables)
-    settings = OpenAISettings(grpc, adapters_root=Path(args.adapters_root) if args.adapters_root else None)
+    settings = OpenAISettings(grpc, adapters_root=Path(args.adapters_root) if args.adapters_root else None,
+                              max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
+                              max_json_depth=args.max_json_depth)
     try:
         front = OpenAIServer(settings, public.host, args.openai_port).start()
     except RuntimeError as error:
@@ -182,7 +187,8 @@ def start_openai(args: argparse.Namespace, public: Ports):
     return front
 
 
-async def _serve(args: argparse.Namespace, public: Ports, guard: Guard, supervisor: Supervisor) -> None:
+async def _serve(args: argparse.Namespace, public: Ports, guard: Guard, grpc_guard: GrpcGuard,
+                 supervisor: Supervisor) -> None:
     stopping, ready = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -193,6 +199,7 @@ async def _serve(args: argparse.Namespace, public: Ports, guard: Guard, supervis
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal)
     runners = await serve_guard(guard, public.host, public.http, public.metrics)
+    grpc_server = await serve_grpc_guard(grpc_guard, public.host, public.grpc)
     front = None  # the OpenAI API, once tritonserver is ready
     supervising = asyncio.create_task(supervisor.run(stopping, ready))
     waiting = asyncio.create_task(ready.wait())
@@ -206,7 +213,7 @@ async def _serve(args: argparse.Namespace, public: Ports, guard: Guard, supervis
                   flush=True)
             if args.role != "decode":
                 print(f"try:\n  {example_request(public)}", flush=True)
-            front = await asyncio.to_thread(start_openai, args, public)
+            front = await asyncio.to_thread(start_openai, args, public, grpc_guard.upstream)
             if args.ready_only:
                 stopping.set()
         await supervising  # raises the first start's LaunchError
@@ -217,5 +224,7 @@ async def _serve(args: argparse.Namespace, public: Ports, guard: Guard, supervis
             await asyncio.to_thread(front.stop)
         if not supervising.done():
             await supervising
+        await grpc_server.stop(grace=1.0)
+        await grpc_guard.close()
         for runner in runners:
             await runner.cleanup()

@@ -29,14 +29,16 @@ from .launcher import LaunchError, Ports, stop, wait_ready
 log = logging.getLogger("mol2.serve")
 
 
+def free_loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def loopback_ports(grpc: int) -> Ports:
-    """Fresh loopback ports for tritonserver's HTTP and metrics (the guard serves the public ones)."""
-    free = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            free.append(s.getsockname()[1])
-    return Ports(free[0], grpc, free[1], "127.0.0.1")
+    """Fresh loopback ports for tritonserver's HTTP and metrics, and its gRPC port `grpc` (the guards serve the
+    public ones)."""
+    return Ports(free_loopback_port(), grpc, free_loopback_port(), "127.0.0.1")
 
 
 def describe_exit(code: int) -> str:

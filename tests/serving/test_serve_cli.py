@@ -60,7 +60,8 @@ def serve(served_dir, tmp_path_factory):
     process = subprocess.Popen([*mol2_command(), "serve", "--http-port", str(ports.http), "--grpc-port",
                                 str(ports.grpc), "--metrics-port", str(ports.metrics), "--store", str(root / "store"),
                                 "--log", str(root / "tritonserver.log"), "--max-prompt-tokens", "64",
-                                "--max-conversations", "2", "--openai-port", "0"], env=env, stdout=subprocess.PIPE,
+                                "--max-conversations", "2", "--openai-port", "0", "--max-grpc-message-bytes", "1M"],
+                               env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     try:
         wait_ready(ports, process)
@@ -132,8 +133,9 @@ def test_wrong_types_and_malformed_json_are_400s_naming_the_field(serve):
 def test_limits_refuse_with_the_limit_and_its_value(serve):
     ports = serve[0]
     status, answer = generate(ports, text_input="many words " * 20)
-    assert status == 400 and "over this server's limit of 64 tokens per request (max_prompt_tokens)" in \
-        answer["error"], answer
+    # refused by its size before tokenizing (python_backend/limits.py check_text), naming the limit and its value
+    assert status == 400 and "text_input is 220 bytes, more than this server's limit of 64 tokens per request " \
+        "(max_prompt_tokens) can hold" in answer["error"], answer
     started = [generate(ports, text_input=f"conversation {n}") for n in range(2)]
     assert all(status == 200 for status, _ in started), started
     status, answer = generate(ports, text_input="one too many")
@@ -142,6 +144,56 @@ def test_limits_refuse_with_the_limit_and_its_value(serve):
         assert generate(ports, text_input="bye", conversation_id=answer["conversation_id_out"],
                         end_conversation=True)[0] == 200
     assert generate(ports, text_input="room again", end_conversation=True)[0] == 200
+
+
+def test_the_grpc_port_bounds_messages_and_passes_the_rest_through(serve):
+    """gRPC reaches tritonserver through grpc_guard.py: a message over --max-grpc-message-bytes is refused before
+    Triton holds it; streams, metadata calls and Triton's own refusals pass through."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(serve[0].grpc_url)
+    try:
+        assert client.is_model_ready("engine")
+        with pytest.raises(InferenceServerException, match="restricted"):
+            client.unload_model("engine")  # the admin-key check is tritonserver's, behind the guard
+        answers = []
+        client.start_stream(callback=lambda result, error: answers.append(error or result))
+
+        def send(text: str) -> None:
+            tensors = []
+            for name, value, kind in (("text_input", np.array([text.encode()], dtype=object), "BYTES"),
+                                      ("adapter", np.array([b"chat"], dtype=object), "BYTES"),
+                                      ("max_tokens", np.array([3], dtype=np.int32), "INT32"),
+                                      ("end_conversation", np.array([True]), "BOOL")):
+                tensors.append(grpcclient.InferInput(name, [1], kind))
+                tensors[-1].set_data_from_numpy(value)
+            client.async_stream_infer("mol2", tensors)
+
+        send("x" * (2 << 20))  # 2 MiB: over the 1 MiB limit
+        send("hello over grpc")
+        deadline = time.monotonic() + 120
+        while len(answers) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        client.close()
+    assert isinstance(answers[0], InferenceServerException), answers[0]
+    assert "StatusCode.RESOURCE_EXHAUSTED" in str(answers[0].status()) and "larger than max" in str(answers[0])
+    # the stream ended with that refusal; the second request needs a stream of its own
+    client = grpcclient.InferenceServerClient(serve[0].grpc_url)
+    try:
+        answers.clear()
+        client.start_stream(callback=lambda result, error: answers.append(error or result))
+        send("hello over grpc")
+        deadline = time.monotonic() + 120
+        while not answers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        client.stop_stream()
+    finally:
+        client.close()
+    assert not isinstance(answers[0], InferenceServerException), answers[0]
+    assert answers[0].as_numpy("applied_adapter")[0] == b"chat"
 
 
 def test_tritonserver_killed_is_restarted_and_the_conversation_goes_on(serve):
