@@ -69,6 +69,9 @@ def add_serve(commands, **options) -> None:
                         help="largest HTTP request body; larger ones get 413 (default 4M)")
     parser.add_argument("--max-json-depth", type=int,
                         help="deepest JSON nesting of an HTTP request; deeper ones get 400 (default 64)")
+    parser.add_argument("--max-unsent-bytes", type=limits.parse_size,
+                        help="output of one HTTP stream its client has not taken yet; a client further behind has its "
+                             "stream ended with an error event (default 1M)")
     parser.add_argument("--max-grpc-message-bytes", type=limits.parse_size, default=64 << 20,
                         help="largest gRPC message (a request, or a conversation's state sent to a decode server); "
                              "larger ones get RESOURCE_EXHAUSTED (default 64M)")

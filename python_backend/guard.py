@@ -10,16 +10,21 @@ answers wrong JSON types with a 500 and parser internals. So before anything rea
 - `/v2/health/ready` is 503 while tritonserver is down or a required peer (the decode server of a `--role
   prefill` server) is unreachable, with the reasons; `GET /v2/status` says what the guard knows.
 Everything else passes through unchanged, answers streamed back as they come (generate_stream's SSE unbuffered).
+A stream whose client reads slower than tritonserver answers is held here, not in tritonserver, up to
+`max_unsent_bytes`; past that it ends with an error event (as does one whose tritonserver went away), logged.
 The metrics port is served here too: Triton's metrics plus the guard's own (restarts, refusals, readiness).
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import logging
 import math
 import re
+import struct
+import termios
 import time
 from dataclasses import dataclass, field
 
@@ -52,6 +57,7 @@ _FLOAT_TINY = {"TYPE_FP16": 5.960464477539063e-08, "TYPE_BF16": 9.18354961579912
 class GuardLimits:
     max_body_bytes: int = 4 << 20  # a 16K-token prompt, every character \u-escaped, is ~0.4 MB
     max_json_depth: int = 64  # generate bodies are flat; /infer nests a few levels per tensor
+    max_unsent_bytes: int = 1 << 20  # of one stream, that its client has not taken yet (~2,500 generate_stream events)
 
 
 @dataclass
@@ -68,6 +74,7 @@ class ServerState:
     starting: bool = True
     peer_problems: dict[str, str] = field(default_factory=dict)  # peer -> why it cannot serve (empty: all fine)
     refused: dict[str, int] = field(default_factory=dict)  # refusal reason -> count
+    cut: dict[str, int] = field(default_factory=dict)  # why the guard ended a stream early -> count
     details: dict = field(default_factory=dict)  # ports, store, limits: shown on the status endpoint
     started_at: float = field(default_factory=time.time)
 
@@ -84,6 +91,7 @@ class ServerState:
         return {"ready": not reasons, "reasons": reasons, "role": self.role, "tritonserver": {
             "running": self.upstream is not None, "pid": self.pid, "starts": self.generation, "restarts": self.restarts,
             "last_exit": self.last_exit}, "peers": dict(self.peer_problems), "refused": dict(self.refused),
+            "streams_cut": dict(self.cut),
             "uptime_s": round(time.time() - self.started_at, 1), **self.details}
 
 
@@ -247,6 +255,73 @@ def parser_refusal(answer: bytes) -> Refusal | None:
 # -- the proxy ------------------------------------------------------------------------------------------------
 
 
+def sse_error(message: str) -> bytes:
+    """An error event as tritonserver's generate_stream writes one."""
+    return b"data: " + json.dumps({"error": message}, separators=(",", ":")).encode() + b"\n\n"
+
+
+def kernel_unsent(transport: asyncio.Transport | None) -> int:
+    """Bytes in the kernel's send queue of a client's socket that the client has not acknowledged (Linux's
+    SIOCOUTQ; 0 where there is no such query). They count as unsent: on loopback the kernel lets that queue grow to
+    4 MB (net.ipv4.tcp_wmem), room for a whole 4,096-token answer, so what the guard's own buffers hold alone would
+    not reach a bound of 1 MiB."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    query = getattr(termios, "TIOCOUTQ", None)
+    if sock is None or query is None:
+        return 0
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), query, b"\0\0\0\0"))[0]
+    except OSError:  # the socket is closed already
+        return 0
+
+
+class Outbox:
+    """A streamed answer on its way to the client. `put` never waits, so tritonserver is read as fast as it
+    answers and never holds a slow client's output; a task of its own writes to the client as fast as the client
+    reads. `unsent()` is what the client has not taken: queued here, in the transport's buffer, in the kernel's."""
+
+    def __init__(self, request: web.Request, response: web.StreamResponse):
+        self._transport = request.transport
+        self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._queued = 0
+        self._writer = asyncio.create_task(self._write(response))
+
+    async def _write(self, response: web.StreamResponse) -> None:
+        while (data := await self._queue.get()) is not None:
+            self._queued -= len(data)
+            await response.write(data)  # waits while the client does not read
+        await response.write_eof()
+
+    def put(self, data: bytes) -> None:
+        self._queued += len(data)
+        self._queue.put_nowait(data)
+
+    def unsent(self) -> int:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return self._queued
+        return self._queued + transport.get_write_buffer_size() + kernel_unsent(transport)
+
+    @property
+    def client_gone(self) -> bool:
+        return self._writer.done()  # before finish(), the writer ends only when a write failed
+
+    async def finish(self) -> None:
+        """Send what is queued, then the answer's end; returns early if the client goes away."""
+        self._queue.put_nowait(None)
+        try:
+            await self._writer
+        except ConnectionError:
+            pass
+
+    def abandon(self) -> None:
+        """Stop writing (the client went away, or the handler was cancelled)."""
+        if not self._writer.done():
+            self._writer.cancel()
+        elif not self._writer.cancelled():
+            self._writer.exception()  # a failed write is how the client's leaving shows: retrieved, not logged
+
+
 class Guard:
     def __init__(self, state: ServerState, limits: GuardLimits = GuardLimits(), config_ttl_s: float = 30.0):
         self.state, self.limits, self.config_ttl_s = state, limits, config_ttl_s
@@ -390,7 +465,10 @@ class Guard:
                     if key.lower() not in _RESPONSE_DROPPED:
                         response.headers.add(key, value)
                 await response.prepare(request)
-                async for chunk in answer.content.iter_any():  # as it comes: SSE events are not held back
+                if answer.content_type == "text/event-stream":
+                    await self._stream(request, answer, response)
+                    return response
+                async for chunk in answer.content.iter_any():  # as it comes
                     try:
                         await response.write(chunk)
                     except ConnectionResetError:  # the client went away: leaving the block closes the upstream
@@ -403,6 +481,43 @@ class Guard:
             log.warning("tritonserver went away in the middle of an answer to %s: the client's connection is cut",
                         request.path)
             raise  # so the client sees an answer cut short, not one that ended
+
+    async def _stream(self, request: web.Request, answer: aiohttp.ClientResponse,
+                      response: web.StreamResponse) -> None:
+        """Copy an SSE answer (generate_stream) to the client as it comes, whole events at a time, holding at most
+        `max_unsent_bytes` of it the client has not taken; past that the stream ends with an error event and
+        tritonserver's request is closed. Every early end is an error event and a log line, never a silent cut."""
+        limit, outbox, partial = self.limits.max_unsent_bytes, Outbox(request, response), b""
+        try:
+            try:
+                async for chunk in answer.content.iter_any():
+                    partial += chunk
+                    end = partial.rfind(b"\n\n") + 2  # whole events only: an error event may have to follow them
+                    if end >= 2:
+                        outbox.put(partial[:end])
+                        partial = partial[end:]
+                    if outbox.client_gone:
+                        return  # leaving closes tritonserver's request
+                    unsent = outbox.unsent() + len(partial)
+                    if unsent > limit:
+                        answer.close()  # now: the client may take long to read what is queued
+                        self._cut(request, outbox, "slow_reader",
+                                  f"this stream was ended because its client reads too slowly: {unsent:,} bytes of "
+                                  f"it were not yet taken, over this server's limit of {limit:,} bytes "
+                                  "(max_unsent_bytes)")
+                        break
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as error:
+                self._cut(request, outbox, "tritonserver_gone", "tritonserver went away in the middle of this "
+                                                                 f"answer ({type(error).__name__}): it is incomplete")
+            await outbox.finish()
+        finally:
+            outbox.abandon()
+
+    def _cut(self, request: web.Request, outbox: Outbox, reason: str, message: str) -> None:
+        self.state.cut[reason] = self.state.cut.get(reason, 0) + 1
+        log.warning("a stream of %s to %s ended early, with this error event: %s", request.path, request.remote,
+                    message)
+        outbox.put(sse_error(message))
 
     async def metrics(self, request: web.Request) -> web.Response:
         text = ""
@@ -425,6 +540,10 @@ class Guard:
                  "# TYPE mol2_guard_refused_total counter"]
         lines += [f'mol2_guard_refused_total{{reason="{reason}"}} {count}'
                   for reason, count in sorted(state.refused.items())]
+        lines += ["# HELP mol2_guard_streams_cut_total streamed answers the HTTP guard ended early, with an error "
+                  "event, by reason", "# TYPE mol2_guard_streams_cut_total counter"]
+        lines += [f'mol2_guard_streams_cut_total{{reason="{reason}"}} {count}'
+                  for reason, count in sorted(state.cut.items())]
         return "\n".join(lines) + "\n"
 
 

@@ -121,6 +121,7 @@ def serve(args: argparse.Namespace) -> None:
     """`mol2 serve` (its options: python_backend/cli.py)."""
     args.max_body_bytes = GuardLimits.max_body_bytes if args.max_body_bytes is None else args.max_body_bytes
     args.max_json_depth = GuardLimits.max_json_depth if args.max_json_depth is None else args.max_json_depth
+    args.max_unsent_bytes = GuardLimits.max_unsent_bytes if args.max_unsent_bytes is None else args.max_unsent_bytes
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     public = Ports(args.http_port, args.grpc_port, args.metrics_port, args.host)
     busy = [port for port in (public.http, public.grpc, public.metrics) if port_in_use(public.host, port)]
@@ -150,9 +151,10 @@ def serve(args: argparse.Namespace) -> None:
         "http": public.http_url, "grpc": public.grpc_url, "metrics": f"{public.host}:{public.metrics}",
         "store": None if store is None else env["MOL2_STORE_DIR"],
         "limits": {"max_body_bytes": args.max_body_bytes, "max_json_depth": args.max_json_depth,
+                   "max_unsent_bytes": args.max_unsent_bytes,
                    **{name[5:].lower(): value for name, value in env.items() if name.startswith("MOL2_MAX")
                       or name == "MOL2_IDLE_TIMEOUT_S"}}})
-    guard = Guard(state, GuardLimits(args.max_body_bytes, args.max_json_depth))
+    guard = Guard(state, GuardLimits(args.max_body_bytes, args.max_json_depth, args.max_unsent_bytes))
     grpc_guard = GrpcGuard(state, f"127.0.0.1:{internal_grpc}", args.max_grpc_message_bytes)
     supervisor = Supervisor(state, launch, internal_grpc, peers)
     try:

@@ -1,7 +1,9 @@
 """The HTTP guard and the supervisor without `mol2 serve`: bodies over the size limit get 413 and JSON nested over
 the depth limit 400 before anything reaches tritonserver; generate fields of the wrong type get 400 naming the
-field; everything else, streams included, passes through unchanged and unbuffered; readiness is 503 with its
-reason while tritonserver is down or the decode peer is unreachable; a server that dies is restarted and counted.
+field; everything else, streams included, passes through unchanged and unbuffered; a stream whose client falls
+more than max_unsent_bytes behind, or whose tritonserver goes away, ends with an error event and a log line;
+readiness is 503 with its reason while tritonserver is down or the decode peer is unreachable; a server that dies
+is restarted and counted.
 tests/serving/test_serve_cli.py runs the same through a real `mol2 serve`."""
 
 from __future__ import annotations
@@ -9,11 +11,14 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import logging
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -96,6 +101,14 @@ def fake_triton(hits: list, release: asyncio.Event) -> web.Application:
         await response.write(b'data: {"n": 2}\n\n')
         return response
 
+    async def dying_stream(request):  # tritonserver killed in the middle of an event
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"n": 1}\n\ndata: {"n"')
+        await asyncio.sleep(0.2)
+        request.transport.abort()
+        return response
+
     async def other(request):
         hits.append(request.path)
         return web.Response(status=400, text=f'{{"error": "upstream {request.method} {request.path_qs}"}}')
@@ -114,6 +127,7 @@ def fake_triton(hits: list, release: asyncio.Event) -> web.Application:
     app.router.add_get("/v2/models/m/config", config)
     app.router.add_post("/v2/models/m/generate", generate)
     app.router.add_post("/v2/models/m/generate_stream", stream)
+    app.router.add_post("/v2/models/dying/generate_stream", dying_stream)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v2/models/m/infer", parser_500)
     app.router.add_post("/v2/models/crashing/infer", real_500)
@@ -223,6 +237,81 @@ def test_a_body_that_does_not_decompress_is_a_400():
             await client.close(), await metrics.close(), await upstream.close()
 
     run(main())
+
+
+def test_a_stream_whose_tritonserver_goes_away_ends_with_an_error_event(caplog):
+    async def main():
+        client, metrics, upstream, state, hits, release = await guarded()
+        try:
+            answer = await client.post("/v2/models/dying/generate_stream", data=b'{"text_input": "hi"}')
+            events = (await asyncio.wait_for(answer.content.read(), 10)).split(b"\n\n")
+            assert events[0] == b'data: {"n": 1}' and events[2:] == [b""]  # whole events only, then the error
+            assert json.loads(events[1][len(b"data: "):]) == {"error": "tritonserver went away in the middle of this "
+                                                                       "answer (ClientPayloadError): it is incomplete"}
+            text = await (await metrics.get("/metrics")).text()
+            assert 'mol2_guard_streams_cut_total{reason="tritonserver_gone"} 1' in text
+        finally:
+            await client.close(), await metrics.close(), await upstream.close()
+
+    with caplog.at_level(logging.WARNING, logger="mol2.guard"):
+        run(main())
+    assert "a stream of /v2/models/dying/generate_stream to 127.0.0.1 ended early" in caplog.text
+
+
+def slow_reader(port: int, body: bytes, resume: threading.Event) -> bytes:
+    """A client on a slow link: a 4 KB receive buffer, and nothing read until `resume`; then all of it."""
+    with socket.socket() as client:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window is set then
+        client.connect(("127.0.0.1", port))
+        client.sendall(b"POST /v2/models/mol2/generate_stream HTTP/1.1\r\nHost: guard\r\nConnection: close\r\n"
+                       b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        assert resume.wait(120), "the guard never ended the stream"
+        client.settimeout(30)
+        answer = b""
+        while chunk := client.recv(1 << 16):
+            answer += chunk
+        return answer
+
+
+def test_a_slow_reader_gets_an_error_event_and_the_guard_holds_at_most_max_unsent_bytes(server, caplog):
+    """A real tritonserver's stream (4,096 tokens, ~1.5 MB of events) to a client that stops reading: the guard
+    keeps reading tritonserver, holds at most max_unsent_bytes, then ends the stream with an error event."""
+    limit = 256 << 10
+    body = json.dumps({"text_input": "Tell me a long story.", "max_tokens": 4096, "ignore_eos": True,
+                       "stream": True}).encode()
+
+    async def main():
+        state = ServerState(upstream=server.http_url)
+        guard = TestServer(Guard(state, GuardLimits(max_unsent_bytes=limit)).app())
+        await guard.start_server()
+        resume = threading.Event()
+        try:
+            reading = asyncio.create_task(asyncio.to_thread(slow_reader, guard.port, body, resume))
+            await until(lambda: state.cut or reading.done(), timeout_s=120)
+            resume.set()
+            return await reading, state.cut
+        finally:
+            resume.set()
+            await guard.close()
+
+    with caplog.at_level(logging.WARNING, logger="mol2.guard"):
+        answer, cut = run(main())
+    assert cut == {"slow_reader": 1}
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and rest.endswith(b"0\r\n\r\n")  # ended, not cut off
+    events = re.findall(rb"data: (.*?)\n\n", rest)
+    *tokens, last = [json.loads(event) for event in events]
+    assert len(tokens) > 20 and all("text_output" in event for event in tokens)  # a whole prefix of the answer
+    assert [event["output_tokens"] for event in tokens] == list(range(1, len(tokens) + 1))
+    unsent = int(re.search(r"([\d,]+) bytes of it were not yet taken", last["error"])[1].replace(",", ""))
+    assert last == {"error": f"this stream was ended because its client reads too slowly: {unsent:,} bytes of it "
+                             f"were not yet taken, over this server's limit of {limit:,} bytes (max_unsent_bytes)"}
+    # Bounded: the guard checks after each read from tritonserver (one event when it keeps up, as it does here;
+    # 64 KiB allows for reads that bring several). Everything it held reached the client after all, so what came
+    # is what the client's own buffer took before it stopped (4 KB, doubled by the kernel) plus the unsent bytes.
+    sent = sum(len(event) + len(b"data: \n\n") for event in events[:-1])
+    assert limit < unsent <= limit + (64 << 10) and sent <= unsent + (16 << 10), (sent, unsent)
+    assert "ended early, with this error event: this stream was ended because its client reads too slowly" in caplog.text
 
 
 def test_readiness_follows_tritonserver_and_the_status_says_why():
