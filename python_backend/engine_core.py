@@ -24,6 +24,7 @@ Run as `python -m python_backend.engine_core FD_IN FD_OUT` (the stub's pipes); t
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -44,10 +45,11 @@ from .adapter_set import sync_registry
 from .detokenize import check_ids
 from .routing import load_scorer
 from .scheduler import CancelledTurn, Scheduler, Turn
+from .server_errors import ENGINE_FAILED, STATE_DAMAGED, STORAGE_FULL
 from .serving import Served
 from .settings import ServingSettings
 from .stages import BASE_NAME, DecodeStage, RouterStage
-from .store import check_id
+from .store import StoreDamaged, check_id
 from .triton_io import RequestError, as_scalar, as_text, text_size
 
 log = logging.getLogger("mol2.engine")
@@ -126,12 +128,8 @@ class EngineCore:
         for request_id, inputs in requests:
             try:
                 turn = self.parse(request_id, inputs)
-            except ValueError as error:
-                self.outbox.post(("error", request_id, str(error), "INVALID_ARG"))
-                continue
-            except Exception as error:  # noqa: BLE001 - ours: logged, one line to the client
-                log.error("engine: %s", traceback.format_exc())
-                self.outbox.post(("error", request_id, f"engine failed: {type(error).__name__}: {error}", "INTERNAL"))
+            except Exception as error:  # noqa: BLE001 - the client's, the server's or ours: error_event says which
+                self.outbox.post(error_event(request_id, error))
                 continue
             self.sinks[request_id] = turn.sink
             if self.scheduler is not None:
@@ -223,6 +221,23 @@ def engine_setting(parameters: dict[str, str], name: str, default: int) -> int:
     return int(os.environ.get(f"MOL2_{name.upper()}", default) if value == "auto" else value)
 
 
+def error_event(request_id: int, error: Exception) -> tuple:
+    """The ("error", ...) event for a failed request, with the Triton code that sets its HTTP status and, for the
+    server's own conditions, the marker of server_errors.py its message starts with (not every path keeps the
+    code). A full disk (or quota) is UNAVAILABLE (503): retry once there is room. Stored state found damaged is
+    INTERNAL (500), its message saying what was lost. Any other ValueError is the client's: INVALID_ARG (400). The
+    rest is a failure of ours: INTERNAL, logged with its traceback."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        log.error("engine: %s", error)
+        return ("error", request_id, f"{STORAGE_FULL} {error}", "UNAVAILABLE")
+    if isinstance(error, StoreDamaged):
+        return ("error", request_id, f"{STATE_DAMAGED} {error}", "INTERNAL")  # the store logged what it moved
+    if isinstance(error, ValueError):
+        return ("error", request_id, str(error), "INVALID_ARG")
+    log.error("engine: %s", "".join(traceback.format_exception(error)))
+    return ("error", request_id, f"{ENGINE_FAILED} {type(error).__name__}: {error}", "INTERNAL")
+
+
 class EventSink:
     """A turn's events for the stub: a token event per token when streaming, one last event either way."""
 
@@ -252,11 +267,8 @@ class EventSink:
         self.core.sinks.pop(self.request_id, None)
         if isinstance(error, CancelledTurn):
             event = ("error", self.request_id, None, None)
-        elif isinstance(error, ValueError):
-            event = ("error", self.request_id, str(error), "INVALID_ARG")
         else:
-            log.error("engine: turn failed: %s", "".join(traceback.format_exception(error)))
-            event = ("error", self.request_id, f"engine failed: {type(error).__name__}: {error}", "INTERNAL")
+            event = error_event(self.request_id, error)
         self.core.outbox.post(event)
 
     def cancelled(self) -> bool:

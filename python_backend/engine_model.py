@@ -29,6 +29,7 @@ from ced.tokenization import ChatTokenizer
 
 from .detokenize import text_delta, window
 from .metrics import Counters
+from .server_errors import ENGINE_FAILED
 from .triton_io import error_response, requested_outputs
 
 CANCEL_CHECK_S = 0.05
@@ -219,7 +220,7 @@ class EngineModel:
         with self._lock:
             code = self.core.wait()
             self.pb.Logger.log_error(f"engine: the core process died (exit code {code}); starting a new one")
-            message = f"engine failed: its core process died (exit code {code}); the turn was not stored"
+            message = f"{ENGINE_FAILED} its core process died (exit code {code}); the turn was not stored"
             for pending in self.pending.values():
                 try:
                     pending.sender.send(error_response(self.pb, message, "INTERNAL"), flags=self.final)

@@ -33,6 +33,8 @@ import numpy as np
 from aiohttp import web
 from yarl import URL
 
+from .server_errors import STATUS, server_condition
+
 log = logging.getLogger("mol2.guard")
 _GENERATE = re.compile(r"^/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?/generate(?:_stream)?$")
 # Not forwarded either way: hop-by-hop headers, and what aiohttp sets itself for the body it sends.
@@ -252,6 +254,18 @@ def parser_refusal(answer: bytes) -> Refusal | None:
     return None
 
 
+def error_status(status: int, answer: bytes) -> int:
+    """The status an error answer should have: Triton's generate answers every error a model sends with 400, so a
+    server condition the engine marked (server_errors.py: a full disk, damaged state, a failure of its own) gets
+    the 5xx it stands for."""
+    try:
+        message = json.loads(answer).get("error", "")
+    except (ValueError, AttributeError):
+        return status
+    condition = server_condition(message) if isinstance(message, str) else None
+    return STATUS[condition] if condition is not None and status < 500 else status
+
+
 # -- the proxy ------------------------------------------------------------------------------------------------
 
 
@@ -454,12 +468,13 @@ class Guard:
         try:
             async with session.request(request.method, URL(f"http://{upstream}{request.raw_path}", encoded=True),
                                        headers=headers, data=body or None, allow_redirects=False) as answer:
-                if answer.status >= 500:  # short: read whole, to tell Triton's parser refusals (the client's) apart
+                if answer.status >= 500 or answer.status == 400:  # errors, short: read whole to sort them
                     whole = await answer.read()
                     refusal = parser_refusal(whole)
                     if refusal is not None:
                         return self._refuse(refusal)
-                    return web.Response(status=answer.status, body=whole, content_type=answer.content_type)
+                    return web.Response(status=error_status(answer.status, whole), body=whole,
+                                        content_type=answer.content_type)
                 response = web.StreamResponse(status=answer.status, reason=answer.reason)
                 for key, value in answer.headers.items():
                     if key.lower() not in _RESPONSE_DROPPED:

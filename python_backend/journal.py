@@ -8,14 +8,17 @@ Adapter-bound windows are not stored: every turn rebuilds them by bounded replay
 One record: b"MJR1", the payload's length (8 bytes, little-endian), the payload (safetensors, never pickle) and a
 16-byte blake2b digest of length + payload. Everything else (start length, tokens, adapter name, config
 fingerprint, format version) lives inside the payload, so the digest covers every field: a kill mid-write leaves a
-truncated tail and a flipped bit a digest mismatch, both caught before anything is replayed.
+truncated tail and a flipped bit a digest mismatch, both caught before anything is replayed. The two are told
+apart (`JournalScan.torn`): a write cut off loses only the turn it was writing, which was never answered; damage to
+a complete record loses answered turns, and whoever reads it must say so. The record digests, in order, are the
+journal's identity: what the store compares with what it wrote.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-
+from dataclasses import dataclass, field
 from typing import BinaryIO
 
 import torch
@@ -31,11 +34,15 @@ from .transfer import config_fingerprint
 MAGIC = b"MJR1"
 FORMAT = "mol2-journal-1"
 _HEAD = len(MAGIC) + 8  # magic + payload length
-_DIGEST = 16
+DIGEST_SIZE = _DIGEST = 16  # a record ends with its digest
 
 
 class JournalError(ValueError):
     """A delta that does not fit the state it is applied to, or a record that cannot be read."""
+
+
+class TornRecord(JournalError):
+    """The file ends inside a record: a write cut off (a kill mid-append), or a damaged length field."""
 
 
 def _dense(tensor: Tensor) -> Tensor:
@@ -135,13 +142,13 @@ def _payload_at(data: memoryview, offset: int) -> tuple[memoryview, int]:
     """The payload of the record at `offset` once its framing and digest check out, and where the record ends."""
     head = data[offset: offset + _HEAD]
     if len(head) < _HEAD:
-        raise JournalError(f"truncated record at byte {offset}: {len(head)} of {_HEAD} header bytes")
+        raise TornRecord(f"truncated record at byte {offset}: {len(head)} of {_HEAD} header bytes")
     if head[:len(MAGIC)] != MAGIC:
         raise JournalError(f"bad magic {bytes(head[:len(MAGIC)])!r} at byte {offset}")
     size = int.from_bytes(head[len(MAGIC):], "little")
     end = offset + _HEAD + size + _DIGEST
     if end > len(data):
-        raise JournalError(f"truncated record at byte {offset}: {size + _DIGEST} bytes announced, "
+        raise TornRecord(f"truncated record at byte {offset}: {size + _DIGEST} bytes announced, "
                            f"{len(data) - offset - _HEAD} present")
     payload = data[offset + _HEAD: end - _DIGEST]
     if _digest(bytes(head[len(MAGIC):]), payload) != data[end - _DIGEST: end]:
@@ -191,13 +198,35 @@ def decode_record(data: bytes, config: CEDConfig) -> StateDelta:
     return _decode_payload(bytes(payload), config)
 
 
-def read_journal(data: bytes, config: CEDConfig) -> tuple[list[StateDelta], int, str | None]:
-    """The good records from the start, the byte offset where that good prefix ends, and the first problem found
-    after it (None: the whole journal is good). An empty journal is a problem: it holds no state."""
-    view, deltas, offset, length = memoryview(data), [], 0, 0
+def record_digest(data: bytes) -> bytes:
+    """The digest of the one record `data` holds, once its framing and digest check out (its tensors unread)."""
+    _, end = _payload_at(memoryview(data), 0)
+    if end != len(data):
+        raise JournalError(f"{len(data) - end} bytes follow the record")
+    return bytes(data[end - _DIGEST: end])
+
+
+@dataclass
+class JournalScan:
+    """What read_journal found: the good records from the start, and the first problem after them."""
+
+    deltas: list[StateDelta] = field(default_factory=list)
+    good: int = 0  # bytes of the good records
+    digests: list[bytes] = field(default_factory=list)  # theirs, in order
+    tail: int = 0  # where the last good record starts
+    problem: str | None = None  # None: the whole journal is good
+    torn: bool = False  # the problem is the last record cut off mid-write, not damage to a complete one
+
+
+def read_journal(data: bytes, config: CEDConfig) -> JournalScan:
+    """The good records from the start and the first problem found after them. An empty journal is a problem: it
+    holds no state."""
+    view, scan, length = memoryview(data), JournalScan(), 0
     if not data:
-        return [], 0, "the journal holds no record"
-    while offset < len(data):
+        scan.problem = "the journal holds no record"
+        return scan
+    while scan.good < len(data):
+        offset = scan.good
         try:
             payload, end = _payload_at(view, offset)
             delta = _decode_payload(bytes(payload), config)
@@ -205,10 +234,27 @@ def read_journal(data: bytes, config: CEDConfig) -> tuple[list[StateDelta], int,
                 raise JournalError(f"record at byte {offset} starts at token {delta.start_length}, "
                                    f"the records before it hold {length}")
         except JournalError as error:
-            return deltas, offset, str(error)
-        deltas.append(delta)
-        offset, length = end, delta.end_length
-    return deltas, offset, None
+            scan.problem = str(error)
+            scan.torn = isinstance(error, TornRecord) and not _record_after(data, offset + len(MAGIC))
+            return scan
+        scan.deltas.append(delta)
+        scan.digests.append(bytes(view[end - _DIGEST: end]))
+        scan.good, scan.tail, length = end, offset, delta.end_length
+    return scan
+
+
+def _record_after(data: bytes, start: int) -> bool:
+    """Whether a complete record that checks out begins at or after `start`. A write cut off leaves nothing after
+    it; a damaged length field that announces more than the file holds does (the records behind it): that is
+    damage to answered turns, not a torn write."""
+    view, offset = memoryview(data), data.find(MAGIC, start)
+    while offset != -1:
+        try:
+            _payload_at(view, offset)
+            return True
+        except JournalError:
+            offset = data.find(MAGIC, offset + 1)
+    return False
 
 
 def journal_length(file: BinaryIO) -> int:

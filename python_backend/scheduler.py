@@ -10,9 +10,10 @@ prefill just ended, whose first tokens go out in the same iteration. Rows join a
 turn that stores nothing is answered when its last token is sampled (`_answer_early`).
 
 Conversations stay resident in the engine's pool between turns; the journal (ConversationStore) is the copy that
-survives. A resident copy is trusted only while the journal is the size this loop left it (another process may
-have written a turn: a second server on the store, a route model), else it is read back from the journal. A turn
-that fails or is cancelled stores nothing: its resident copy is dropped, the journal still holds the turn before.
+survives. A resident copy is trusted only while the journal is what this loop wrote (ConversationStore.reusable:
+the same file, size and times, its last record checked again); a journal another process wrote since is read back,
+and one damaged since is rewritten from the resident copy. A turn that fails or is cancelled stores nothing: its
+resident copy is dropped, the journal still holds the turn before.
 
 A stateless turn (a whole chat or prompt, the OpenAI API's way) names no conversation: it starts from the longest
 prefix of its tokens in the prefix cache (ced/prefix_cache.py), whichever adapter wrote it, and leaves its states
@@ -135,7 +136,7 @@ class Scheduler:
         self.prefilling: list[Turn] = []
         self.decoding: list[Turn] = []
         self.answering: list[Turn] = []  # sampled their last token this iteration, answered at its end
-        self.resident: OrderedDict[str, tuple[Resident, int]] = OrderedDict()  # id -> (row, journal size)
+        self.resident: OrderedDict[str, tuple[Resident, object]] = OrderedDict()  # id -> (row, store.identity)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mol2-scheduler", daemon=True)
         self._last_expiry = time.monotonic()
@@ -245,11 +246,15 @@ class Scheduler:
         """The conversation in the pool, read back from the journal when the pool's copy is missing or stale."""
         cid = turn.conversation_id
         held = self.resident.pop(cid, None)
-        size = self.store.journal_size(cid)
-        if held is not None and held[1] == size:
-            return held[0]
         if held is not None:
-            self.engine.close(held[0])
+            row, written = held
+            try:
+                if self.store.reusable(cid, written, lambda: self.engine.delta(row, 0)):
+                    return row
+            except BaseException:  # could not repair the journal (a full disk): the copy is kept for the next try
+                self.resident[cid] = held
+                raise
+            self.engine.close(row)
         state = self.store.load(cid)  # raises UnknownConversation / StoreError with the client's message
         row = self.engine.open(state)
         turn.bytes_moved += self.engine.nbytes(row)  # a miss reads the whole state once
@@ -445,7 +450,7 @@ class Scheduler:
                 row, since = turn.row, 0 if turn.new else turn.start_length  # a new one's cached prefix too
                 self.store.append(cid, self.engine.delta(row, since), lambda: self.engine.delta(row, 0))
                 turn.bytes_written = self.store.bytes_written - before
-                self.resident[cid] = (turn.row, self.store.journal_size(cid))
+                self.resident[cid] = (turn.row, self.store.identity(cid))
                 if self.prefix.byte_budget:
                     self.prefix.insert(self.engine.fork(row))
                 self._evict()

@@ -4,8 +4,19 @@
 added: O(new tokens + W) bytes, not the whole state). When dead bytes (replaced windows) make the file more than
 twice a snapshot's size plus a slack, it is rewritten as one snapshot (temp file + rename), so the bytes written
 per turn stay O(new tokens + W) amortised. A kill mid-write leaves a truncated tail: the next load replays the good
-records (the conversation is back at its last good turn), moves the bad tail to `quarantine/` and cuts it off; a
-journal with no good record at all is dropped. A server restart therefore loses no conversation that was idle.
+records (the conversation is back at its last good turn, which the cut-off turn never got past: it was not
+answered), moves the bad tail to `quarantine/` and cuts it off. Damage to a complete record (a flipped byte, a file
+replaced) loses turns that were answered: the load that finds it repairs the journal the same way, then refuses
+with ConversationReset, naming what it found and the turn the conversation is back at. A journal with no good
+record at all is dropped. A server restart therefore loses no conversation that was idle.
+
+The journal is trusted only while it is what this process wrote. Each write remembers the file (inode, size,
+modification and change times) and the digests of its records; before a turn is appended, the file is checked
+against that (one stat, and its last record read and checked again: O(new tokens + W)). A journal damaged since
+is never appended to: the caller's whole state (the engine's resident copy, which is what was written) replaces it
+as a snapshot, the damaged file kept in quarantine/, and no turn is lost (`reusable`, and the writes). A journal
+whose records all check out but are not ours was written by another process: it is read back, never overwritten.
+A failed write (a full disk) leaves the journal as it was and no file behind (no temp file, no quarantine copy).
 
 A turn holds an exclusive OS lock (flock) on `<id>.lock` from its start to the end of decode: a second turn on
 the same conversation, from this process or any other (another model process, another server on the same store),
@@ -20,6 +31,7 @@ conversation is refused when the store is at `max_conversations` or `max_store_b
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -33,7 +45,8 @@ from typing import Callable
 from ced.config import CEDConfig
 from ced.state import ConversationState
 
-from .journal import StateDelta, apply_delta, delta_of, empty_state, encode_record, journal_length, read_journal
+from .journal import (DIGEST_SIZE, JournalError, JournalScan, StateDelta, apply_delta, delta_of, empty_state,
+                      encode_record, journal_length, read_journal, record_digest)
 from .limits import Limits
 
 log = logging.getLogger(__name__)
@@ -58,6 +71,14 @@ class StoreInUse(StoreError):
     pass
 
 
+class StoreDamaged(StoreError):
+    """A conversation's stored state was found damaged: a server condition, not the client's mistake."""
+
+
+class ConversationReset(StoreDamaged):
+    """Damage cost answered turns: the conversation is back at its last good turn, and the client is told once."""
+
+
 def check_id(conversation_id: str) -> str:
     if not isinstance(conversation_id, str) or not _ID.match(conversation_id) or conversation_id.startswith("."):
         raise StoreError(f"conversation_id {conversation_id!r} must be 1-128 characters of letters, digits, "
@@ -67,13 +88,21 @@ def check_id(conversation_id: str) -> str:
 
 @dataclass(frozen=True)
 class _Journal:
-    """What this process knows of a journal file, valid while the file keeps this size and inode."""
+    """What this process wrote or read of a journal file. It stands for the file while the file is the same one
+    (inode), of the same size and untouched since (its modification and change times: any write moves them), and
+    its last record still checks out against digests[-1]."""
 
     size: int
     inode: int
+    times: tuple[int, int]  # st_mtime_ns, st_ctime_ns just after the write or read
     length: int  # tokens the journal holds
     added: int  # bytes of its tokens and global entries, summed over the records
     replaced: int  # bytes of the W-bounded parts of its last record (the earlier copies are dead)
+    digests: tuple[bytes, ...]  # every record's digest, in order: the journal's identity
+    tail: int  # where its last record starts
+
+    def describes(self, stat: os.stat_result) -> bool:
+        return (self.inode, self.size, self.times) == (stat.st_ino, stat.st_size, (stat.st_mtime_ns, stat.st_ctime_ns))
 
 
 class ConversationStore:
@@ -102,35 +131,44 @@ class ConversationStore:
     def load(self, conversation_id: str) -> ConversationState:
         """The conversation at its last good turn. A bad tail is repaired only under the turn lock (this store's
         turn, or the lock taken for the repair): while another turn holds it, the record may be half written and
-        is left alone (that turn repairs it, or the next load after it)."""
+        is left alone (that turn repairs it, or the next load after it). The load that repairs damage to complete
+        records raises ConversationReset (answered turns were lost); the next load starts from there."""
         try:
             held = conversation_id in self._held
-            deltas, problem, clean = self._read(conversation_id, repair=held)
-            if problem is not None and not held:
+            scan, moved = self._read(conversation_id, repair=held)
+            if scan.problem is not None and not held:
                 descriptor = self._try_lock(conversation_id)
                 if descriptor is not None:
                     try:
-                        deltas, problem, clean = self._read(conversation_id, repair=True)
+                        scan, moved = self._read(conversation_id, repair=True)
                     finally:
                         self._unlock(conversation_id, descriptor)
         except FileNotFoundError:
             raise UnknownConversation(f"unknown conversation_id {conversation_id!r} (ended, expired or never "
                                       "started)") from None
-        if not deltas:
-            if not clean:
+        if not scan.deltas:
+            if scan.problem is not None and moved is None:
                 raise ConversationBusy(f"conversation {conversation_id!r} is being written by a turn in progress; "
                                        "send the next turn after this one's answer")
-            raise StoreError(f"the stored state of conversation {conversation_id!r} was damaged and has been "
-                             f"dropped: {problem}")
+            raise StoreDamaged(f"the stored state of conversation {conversation_id!r} was damaged and has been "
+                               f"dropped: {scan.problem} (the file was moved to {moved})")
+        if moved is not None and not scan.torn:
+            raise ConversationReset(
+                f"the stored state of conversation {conversation_id!r} was damaged ({scan.problem}); the "
+                f"conversation was reset to its last good turn ({scan.deltas[-1].end_length} tokens), the damaged "
+                f"records moved to {moved}: send this turn again to continue from there")
         state = empty_state(self.config)
-        for delta in deltas:
+        for delta in scan.deltas:
             apply_delta(state, delta)
         return state
 
     def save(self, conversation_id: str, state: ConversationState) -> None:
-        """Append what `state` holds beyond the stored journal; a state shorter than the journal replaces it."""
-        journal = self._journal(conversation_id)
-        if journal is None or state.length < journal.length:
+        """Append what `state` holds beyond the stored journal; a state shorter than the journal replaces it, and
+        so does a journal damaged since this process wrote it (`state` is what it wrote, and this turn)."""
+        journal, damage = self._writable(conversation_id)
+        if damage is not None:
+            self._rewrite(conversation_id, delta_of(state, 0), damage)
+        elif journal is None or state.length < journal.length:
             self._write_snapshot(conversation_id, delta_of(state, 0))
         else:
             self._append(conversation_id, journal, delta_of(state, journal.length), state)
@@ -138,11 +176,18 @@ class ConversationStore:
     def append(self, conversation_id: str, delta: StateDelta,
                snapshot: Callable[[], StateDelta] | None = None) -> None:
         """Append a delta taken elsewhere (journal.delta_of); it must start where the journal ends. A snapshot
-        (start_length 0) replaces the journal. `snapshot` gives the whole state when compaction is due (the
-        resident pool has it: no read of the journal back)."""
-        journal = self._journal(conversation_id)
+        (start_length 0) replaces the journal. `snapshot` gives the whole state when compaction is due, or when the
+        journal was damaged since this process wrote it (the resident pool has it: no read of the journal back)."""
         if delta.start_length == 0:
             self._write_snapshot(conversation_id, delta)
+            return
+        journal, damage = self._writable(conversation_id)
+        if damage is not None and snapshot is not None:
+            self._rewrite(conversation_id, snapshot(), damage)
+        elif damage is not None:
+            raise StoreDamaged(f"the journal of conversation {conversation_id!r} was damaged since this server "
+                               f"wrote it ({damage}) and the turn has no whole state to replace it with; the turn "
+                               "was not stored")
         elif journal is None or delta.start_length != journal.length:
             raise StoreError(f"the delta for conversation {conversation_id!r} starts at token {delta.start_length}, "
                              f"its journal holds {0 if journal is None else journal.length}")
@@ -152,6 +197,34 @@ class ConversationStore:
     def compact(self, conversation_id: str) -> None:
         """Rewrite the journal as one snapshot of the state it holds."""
         self._write_snapshot(conversation_id, delta_of(self.load(conversation_id), 0))
+
+    def identity(self, conversation_id: str) -> _Journal | None:
+        """What this process last wrote or read of the journal, if the file is still that (one stat). A holder of
+        the conversation's state keeps it beside the state and hands it to `reusable` at the next turn."""
+        return self._cached(conversation_id)
+
+    def reusable(self, conversation_id: str, written: _Journal | None, whole: Callable[[], StateDelta]) -> bool:
+        """Whether a copy of the conversation held since the journal was `written` (identity() after its last
+        turn) is still its state; call it holding the turn lock. Yes while the journal is intact. A journal whose
+        records all check out but differ was written by another process (or put there by a person): it is the
+        state now (False: read it). A damaged journal whose readable records are the ones `written` had is what
+        this process wrote, damaged since: `whole()` (the copy, what was written) replaces it and nothing is lost.
+        Damaged, and not ours: False, and the load that follows repairs it and says what was lost."""
+        if self._intact(conversation_id, written):
+            return True
+        if written is None or conversation_id not in self._held:
+            return False
+        try:
+            scan, stat = self._scan(conversation_id)
+        except FileNotFoundError:
+            return False
+        if scan.problem is None:
+            self._remember(conversation_id, scan, stat)
+            return stat is not None and tuple(scan.digests) == written.digests  # the same records: only touched
+        if not _ours(scan, written):
+            return False
+        self._rewrite(conversation_id, whole(), scan.problem)
+        return True
 
     def length_of(self, conversation_id: str) -> int | None:
         """Tokens the journal holds, from the cache or its record headers (no tensor is read); None if absent."""
@@ -234,65 +307,125 @@ class ConversationStore:
     # -- the journal file -----------------------------------------------------------------------------------
 
     def _cached(self, conversation_id: str) -> _Journal | None:
-        """This process's view of the journal, if no other process has written it since."""
+        """This process's view of the journal, if the file is still the one it describes (one stat)."""
         journal = self._journals.get(conversation_id)
         try:
             stat = self._record(conversation_id).stat()
         except FileNotFoundError:
             self._journals.pop(conversation_id, None)
             return None
-        return journal if journal is not None and (journal.size, journal.inode) == (stat.st_size, stat.st_ino) \
-            else None
+        return journal if journal is not None and journal.describes(stat) else None
 
-    def _journal(self, conversation_id: str) -> _Journal | None:
-        """The journal a writer appends to (None: none yet), read and repaired when the cache is stale. Only the
-        turn holding the lock writes, so repairing here cannot cut off another writer's record."""
-        journal = self._cached(conversation_id)
+    def _intact(self, conversation_id: str, journal: _Journal | None) -> bool:
+        """Whether the file is exactly `journal`: one stat, and its last record read and checked again. The times
+        catch a write anywhere in the file; the re-read catches one to the last record that lands in the same clock
+        tick as ours (kernels without fine-grained file times), where a new turn would be appended. O(one record)."""
         if journal is None:
-            try:
-                self._read(conversation_id, repair=True)
-            except FileNotFoundError:
-                return None
-            journal = self._journals.get(conversation_id)
-        return journal
+            return False
+        try:
+            with open(self._record(conversation_id), "rb") as file:
+                if not journal.describes(os.fstat(file.fileno())):
+                    return False
+                file.seek(journal.tail)
+                last = file.read(journal.size - journal.tail)
+        except FileNotFoundError:
+            return False
+        try:
+            return record_digest(last) == journal.digests[-1]
+        except JournalError:
+            return False
 
-    def _read(self, conversation_id: str, repair: bool) -> tuple[list[StateDelta], str | None, bool]:
-        """The journal's good records, its first problem, and whether the file now holds exactly the good records
-        (with `repair`, a bad tail is moved to quarantine and cut off; no good record: the file is moved there)."""
-        path = self._record(conversation_id)
-        with open(path, "rb") as file:
-            inode, data = os.fstat(file.fileno()).st_ino, file.read()
-        deltas, good, problem = read_journal(data, self.config)
-        clean = problem is None or (repair and self._quarantine(conversation_id, path, inode, data, good, problem))
+    def _writable(self, conversation_id: str) -> tuple[_Journal | None, str | None]:
+        """The journal a writer appends to (None: none yet) and, when it was damaged since this process wrote it,
+        what is wrong with it (the caller then writes its whole state instead: never a turn behind damage). A
+        journal changed by another process is read again, a bad tail that is not ours repaired. Only the turn
+        holding the lock writes, so the repair cannot cut off another writer's record."""
+        known = self._journals.get(conversation_id)
+        if self._intact(conversation_id, known):
+            return known, None
+        try:
+            scan, _ = self._scan(conversation_id)
+            if scan.problem is not None and _ours(scan, known):
+                return None, scan.problem
+            self._read(conversation_id, repair=True)
+        except FileNotFoundError:
+            return None, None
+        return self._journals.get(conversation_id), None
+
+    def _scan(self, conversation_id: str) -> tuple[JournalScan, os.stat_result | None]:
+        """The journal read and checked, and the file's stat as read (None: it grew while it was read, so nothing
+        may be cached or cut on the strength of this read)."""
+        with open(self._record(conversation_id), "rb") as file:
+            data = file.read()
+            stat = os.fstat(file.fileno())
+        return read_journal(data, self.config), stat if stat.st_size == len(data) else None
+
+    def _remember(self, conversation_id: str, scan: JournalScan, stat: os.stat_result | None) -> None:
+        """Cache what `scan` read, if the file (as `stat` finds it) holds exactly its good records."""
         self._journals.pop(conversation_id, None)
-        if clean and deltas:
-            self._journals[conversation_id] = _Journal(good, inode, deltas[-1].end_length,
-                                                       sum(d.added_nbytes() for d in deltas),
-                                                       deltas[-1].replaced_nbytes())
-        return deltas, problem, clean
+        if scan.deltas and stat is not None and stat.st_size == scan.good:
+            self._journals[conversation_id] = _Journal(
+                scan.good, stat.st_ino, (stat.st_mtime_ns, stat.st_ctime_ns), scan.deltas[-1].end_length,
+                sum(d.added_nbytes() for d in scan.deltas), scan.deltas[-1].replaced_nbytes(), tuple(scan.digests),
+                scan.tail)
 
-    def _quarantine(self, conversation_id: str, path: Path, inode: int, data: bytes, good: int, problem: str) -> bool:
-        """Move the bytes after `good` aside and cut the journal back to them; False if the file changed since
-        `data` was read (someone else wrote it: nothing is cut)."""
+    def _read(self, conversation_id: str, repair: bool) -> tuple[JournalScan, Path | None]:
+        """The journal's good records and first problem, and where its bad part was moved (None: nothing moved).
+        With `repair`, a bad tail is moved to quarantine and cut off; no good record: the file is moved there."""
+        path = self._record(conversation_id)
+        scan, stat = self._scan(conversation_id)
+        moved = None
+        if scan.problem is not None and repair and stat is not None:
+            moved = self._quarantine(conversation_id, path, stat, scan)
+            if moved is not None and scan.good:
+                stat = path.stat()  # cut back to the good records
+        self._remember(conversation_id, scan, stat)
+        return scan, moved
+
+    def _quarantine(self, conversation_id: str, path: Path, read: os.stat_result, scan: JournalScan) -> Path | None:
+        """Move the bytes after the good records aside and cut the journal back to them; None if the file changed
+        since it was read (someone else wrote it: nothing is cut)."""
         try:
             stat = path.stat()
         except FileNotFoundError:
-            return False
-        if (stat.st_size, stat.st_ino) != (len(data), inode):
-            return False
-        folder = self.root / QUARANTINE
-        folder.mkdir(exist_ok=True)
-        target = folder / f"{conversation_id}.{time.time_ns()}.tail"
-        if good == 0:
+            return None
+        if (stat.st_size, stat.st_ino, stat.st_mtime_ns) != (read.st_size, read.st_ino, read.st_mtime_ns):
+            return None
+        target = self._quarantine_path(conversation_id, "tail")
+        if scan.good == 0:
             os.replace(path, target)
             log.error("conversation %s: %s; no turn of its journal is readable, moved to %s", conversation_id,
-                      problem, target)
+                      scan.problem, target)
         else:
-            target.write_bytes(data[good:])  # kept first: a crash between the two steps loses nothing
-            os.truncate(path, good)
+            with open(path, "rb") as file:
+                file.seek(scan.good)
+                _write_new(target, file.read())  # kept first: a crash between the two steps loses nothing
+            os.truncate(path, scan.good)
             log.error("conversation %s: %s; back at its last good turn (%d bytes), the %d-byte tail moved to %s",
-                      conversation_id, problem, good, len(data) - good, target)
-        return True
+                      conversation_id, scan.problem, scan.good, read.st_size - scan.good, target)
+        return target
+
+    def _quarantine_path(self, conversation_id: str, kind: str) -> Path:
+        folder = self.root / QUARANTINE
+        folder.mkdir(exist_ok=True)
+        return folder / f"{conversation_id}.{time.time_ns()}.{kind}"
+
+    def _rewrite(self, conversation_id: str, snapshot: StateDelta, problem: str) -> None:
+        """Replace a journal damaged since this process wrote it by `snapshot`, the whole state it holds; the
+        damaged file is kept in quarantine/ (a hard link: no bytes copied, so it works on a full disk too)."""
+        path, target = self._record(conversation_id), self._quarantine_path(conversation_id, "journal")
+        try:
+            os.link(path, target)
+        except OSError:  # no hard links here (or the file is gone): a copy
+            _write_new(target, path.read_bytes())
+        try:
+            self._write_snapshot(conversation_id, snapshot)
+        except BaseException:
+            target.unlink(missing_ok=True)  # the damaged journal is still in place; no copy of it stays behind
+            raise
+        log.error("conversation %s: %s; its journal was damaged since this server wrote it and has been rewritten "
+                  "from the server's own copy (%d tokens, no turn lost), the damaged file moved to %s",
+                  conversation_id, problem, snapshot.end_length, target)
 
     def _append(self, conversation_id: str, journal: _Journal, delta: StateDelta,
                 state: ConversationState | None, snapshot: Callable[[], StateDelta] | None = None) -> None:
@@ -311,29 +444,42 @@ class ConversationStore:
             return
         # One write on an O_APPEND descriptor: it goes straight to the page cache, where every other process
         # reads it (no user-space buffer to flush; durability against a power cut is not asked for, so no fsync).
-        descriptor = os.open(self._record(conversation_id), os.O_WRONLY | os.O_APPEND)
+        path = self._record(conversation_id)
+        descriptor = os.open(path, os.O_WRONLY | os.O_APPEND)
         try:
-            written = os.write(descriptor, record)
-            while written < len(record):  # a short write (a signal, a full disk) continues where it stopped
-                written += os.write(descriptor, memoryview(record)[written:])
+            before = os.fstat(descriptor).st_size
+            try:
+                _write_all(descriptor, record)
+            except OSError as error:  # a full disk: the part that was written is cut off again (we hold the lock)
+                with contextlib.suppress(OSError):
+                    os.ftruncate(descriptor, before)
+                raise OSError(error.errno, error.strerror, str(path)) from None
             stat = os.fstat(descriptor)
         finally:
             os.close(descriptor)
         self._count(len(record))
-        if stat.st_size == journal.size + len(record):
-            self._journals[conversation_id] = _Journal(stat.st_size, stat.st_ino, delta.end_length, added, replaced)
-        else:  # another process wrote meanwhile: read the file again next time
-            self._journals.pop(conversation_id, None)
+        self._journals.pop(conversation_id, None)
+        if stat.st_size == journal.size + len(record):  # else another process wrote meanwhile: read it next time
+            self._journals[conversation_id] = _Journal(
+                stat.st_size, stat.st_ino, (stat.st_mtime_ns, stat.st_ctime_ns), delta.end_length, added, replaced,
+                journal.digests + (record[-DIGEST_SIZE:],), journal.size)
 
     def _write_snapshot(self, conversation_id: str, delta: StateDelta) -> None:
         path, record = self._record(conversation_id), encode_record(delta, self.config)
         temporary = path.with_suffix(f".tmp{os.getpid()}")
-        temporary.write_bytes(record)
-        stat = temporary.stat()  # the inode keeps through the rename
-        os.replace(temporary, path)  # readers see the old journal or the new one, never a mix
+        written = _write_new(temporary, record)
+        try:
+            os.replace(temporary, path)  # readers see the old journal or the new one, never a mix
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
         self._count(len(record))
-        self._journals[conversation_id] = _Journal(stat.st_size, stat.st_ino, delta.end_length, delta.added_nbytes(),
-                                                   delta.replaced_nbytes())
+        self._journals.pop(conversation_id, None)
+        stat = path.stat()  # after the rename, which moves the change time
+        if stat.st_ino == written.st_ino:  # else another process replaced it meanwhile: read it next time
+            self._journals[conversation_id] = _Journal(
+                stat.st_size, stat.st_ino, (stat.st_mtime_ns, stat.st_ctime_ns), delta.end_length,
+                delta.added_nbytes(), delta.replaced_nbytes(), (record[-DIGEST_SIZE:],), 0)
 
     def _count(self, written: int) -> None:
         self.bytes_written += written
@@ -379,7 +525,10 @@ class ConversationStore:
                 conversations, size = self.usage()
                 self.limits.check_room(conversations - 1, size)  # less its own lock, just taken
             os.ftruncate(descriptor, 0)
-            os.write(descriptor, f"{os.getpid()} {time.time():.0f}\n".encode())  # who holds it, for a person
+            try:
+                os.write(descriptor, f"{os.getpid()} {time.time():.0f}\n".encode())  # who holds it, for a person
+            except OSError as error:  # a full disk: the turn could store nothing, refused before any work
+                raise OSError(error.errno, error.strerror, str(self._lock(conversation_id))) from None
         except BaseException:
             self._unlock(conversation_id, descriptor)
             raise
@@ -390,6 +539,31 @@ class ConversationStore:
         descriptor = self._held.pop(conversation_id, None)
         if descriptor is not None:
             self._unlock(conversation_id, descriptor)
+
+
+def _ours(scan: JournalScan, written: _Journal | None) -> bool:
+    """Whether a damaged journal's readable records are the first of those `written` had: what this process
+    wrote, damaged since (its copy of the state is then the whole truth)."""
+    return written is not None and tuple(scan.digests) == written.digests[:len(scan.digests)]
+
+
+def _write_all(descriptor: int, data: bytes) -> None:
+    written = os.write(descriptor, data)
+    while written < len(data):  # a short write (a signal, a full disk) continues where it stopped
+        written += os.write(descriptor, memoryview(data)[written:])
+
+
+def _write_new(path: Path, data: bytes) -> os.stat_result:
+    """Create `path` holding `data`, and return its stat; on any failure (a full disk) nothing of it is left."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(descriptor, data)
+        return os.fstat(descriptor)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(descriptor)
 
 
 class StoreHold:

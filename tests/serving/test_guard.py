@@ -26,7 +26,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from python_backend.guard import Guard, GuardLimits, Refusal, ServerState, check_generate, json_depth
+from python_backend.guard import Guard, GuardLimits, Refusal, ServerState, check_generate, error_status, json_depth
 from python_backend.launcher import LaunchError
 from python_backend.supervisor import Peer, Supervisor
 
@@ -222,6 +222,18 @@ def test_tritonservers_500_for_a_body_it_cannot_parse_reaches_the_client_as_400(
             await client.close(), await metrics.close(), await upstream.close()
 
     run(main())
+
+
+@pytest.mark.parametrize("message, status", [
+    ("in ensemble 'mol2', storage full: [Errno 28] No space left on device", 503),
+    ("in ensemble 'mol2', engine failed: RuntimeError: a bug", 500),
+    ("stored state damaged: the journal of conversation 'c' was damaged", 500),
+    ("in ensemble 'mol2', max_tokens must be at least 1", 400),  # the client's: left as Triton said
+    ("a message that mentions engine failed: later on", 400),
+])
+def test_tritonservers_400_for_a_server_condition_the_engine_marked_is_its_5xx(message, status):
+    assert error_status(400, json.dumps({"error": message}).encode()) == status
+    assert error_status(400, b"not json") == 400 and error_status(502, b'{"error": "storage full: x"}') == 502
 
 
 def test_a_body_that_does_not_decompress_is_a_400():

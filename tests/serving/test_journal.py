@@ -11,7 +11,7 @@ import torch
 from ced import CEDConfig
 from python_backend.journal import (JournalError, apply_delta, decode_record, delta_of, empty_state, encode_record,
                                     read_journal)
-from python_backend.store import ConversationStore, StoreError
+from python_backend.store import ConversationReset, ConversationStore, StoreError
 from python_backend.transfer import TransferError, decode_state, encode_state
 
 
@@ -87,19 +87,25 @@ def test_records_refuse_damage_foreign_configs_and_gaps(conversation):
     since = state.length
     next_turn(engine, state)
     second = encode_record(delta_of(state, since), engine.config)
-    deltas, end, problem = read_journal(first + second, engine.config)
-    assert len(deltas) == 2 and end == len(first + second) and problem is None
+    scan = read_journal(first + second, engine.config)
+    assert len(scan.deltas) == 2 and scan.good == len(first + second) and scan.problem is None
+    assert scan.digests == [first[-16:], second[-16:]] and scan.tail == len(first)
 
     for field_byte in (10, len(first) // 2, len(first) - 3):  # the length, the payload, the digest
         damaged = bytearray(first)
         damaged[field_byte] ^= 0x01
-        deltas, end, problem = read_journal(bytes(damaged) + second, engine.config)
-        assert deltas == [] and end == 0 and problem is not None
-    assert "bad magic" in read_journal(first + b"XXXX" + second[4:], engine.config)[2]
-    assert "truncated" in read_journal(first + second[:-1], engine.config)[2]
-    assert "starts at token" in read_journal(second, engine.config)[2]  # a delta with no records before it
-    assert "starts at token" in read_journal(first + first, engine.config)[2]
-    assert "another model config" in read_journal(first, CEDConfig.from_name("tiny", window=32))[2]
+        scan = read_journal(bytes(damaged) + second, engine.config)
+        assert scan.deltas == [] and scan.good == 0 and scan.problem is not None and not scan.torn
+    assert "bad magic" in read_journal(first + b"XXXX" + second[4:], engine.config).problem
+    torn = read_journal(first + second[:-1], engine.config)
+    assert "truncated" in torn.problem and torn.torn  # a write cut off: only the turn being written is lost
+    assert "starts at token" in read_journal(second, engine.config).problem  # a delta with no records before it
+    assert "starts at token" in read_journal(first + first, engine.config).problem
+    assert "another model config" in read_journal(first, CEDConfig.from_name("tiny", window=32)).problem
+    longer = bytearray(first)
+    longer[4:12] = (len(first) * 3).to_bytes(8, "little")  # a length field that announces more than there is
+    scan = read_journal(bytes(longer) + second, engine.config)
+    assert "truncated" in scan.problem and not scan.torn  # a good record follows: damage, not a cut-off write
 
 
 def test_turns_saved_then_loaded_continue_bit_for_bit(conversation, tmp_path):
@@ -111,7 +117,7 @@ def test_turns_saved_then_loaded_continue_bit_for_bit(conversation, tmp_path):
         next_turn(engine, state, tokens)
         store.save("c1", state)
     assert (tmp_path / "c1.state").read_bytes().startswith(before)  # appended to, never rewritten
-    assert len(read_journal((tmp_path / "c1.state").read_bytes(), engine.config)[0]) == 4
+    assert len(read_journal((tmp_path / "c1.state").read_bytes(), engine.config).deltas) == 4
     assert store.length_of("c1") == ConversationStore(tmp_path, engine.config).length_of("c1") == state.length
     loaded = ConversationStore(tmp_path, engine.config).load("c1")  # another process: no cache
     assert_same_shared(loaded, state)
@@ -126,7 +132,7 @@ def test_processes_taking_turns_on_one_journal(conversation, tmp_path):
     for turn in range(4):
         next_turn(engine, state, [turn + 1, 2, 3])
         (prefill if turn % 2 else decode).save("c1", state)
-    assert read_journal((tmp_path / "c1.state").read_bytes(), engine.config)[2] is None
+    assert read_journal((tmp_path / "c1.state").read_bytes(), engine.config).problem is None
     assert_same_shared(prefill.load("c1"), state)
     with pytest.raises(StoreError, match="starts at token 3, its journal holds"):
         decode.append("c1", delta_of(state, 3))
@@ -158,7 +164,7 @@ def test_compaction_keeps_the_state_and_shrinks_the_file(conversation, tmp_path)
     size, before = store.journal_size("c1"), store.load("c1")
     store.compact("c1")
     assert store.journal_size("c1") < size / 2
-    assert len(read_journal((tmp_path / "c1.state").read_bytes(), engine.config)[0]) == 1
+    assert len(read_journal((tmp_path / "c1.state").read_bytes(), engine.config).deltas) == 1
     assert_same_shared(store.load("c1"), before)
 
     eager = ConversationStore(tmp_path, engine.config, compact_slack=0)  # compacts as soon as dead bytes pass live
@@ -211,7 +217,9 @@ def test_a_kill_mid_write_loads_the_previous_turn(conversation, tmp_path, caplog
     assert_same_shared(ConversationStore(tmp_path, engine.config).load("c1"), loaded)
 
 
-def test_a_damaged_last_record_loads_the_previous_turn(conversation, tmp_path, caplog):
+def test_a_damaged_last_record_is_refused_once_then_loads_the_previous_turn(conversation, tmp_path, caplog):
+    """Damage to a complete record lost an answered turn: the load that finds it says what it found and what the
+    conversation was reset to; the next one loads that turn."""
     engine, state = conversation
     store = ConversationStore(tmp_path, engine.config)
     first, size = two_turns(engine, state, store)
@@ -219,10 +227,13 @@ def test_a_damaged_last_record_loads_the_previous_turn(conversation, tmp_path, c
     data = bytearray(path.read_bytes())
     data[(size + len(data)) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
-    with caplog.at_level(logging.ERROR):
-        assert_same_shared(store.load("c1"), first)  # load always reads the file itself
+    with caplog.at_level(logging.ERROR), pytest.raises(ConversationReset) as reset:
+        store.load("c1")  # load always reads the file itself
+    (tail,) = (tmp_path / "quarantine").glob("c1.*.tail")
+    assert "digest mismatch" in str(reset.value) and str(tail) in str(reset.value)
+    assert f"reset to its last good turn ({first.length} tokens)" in str(reset.value)
     assert store.journal_size("c1") == size and "digest mismatch" in caplog.text
-    assert len(list((tmp_path / "quarantine").glob("c1.*.tail"))) == 1
+    assert_same_shared(store.load("c1"), first)
 
 
 def test_a_half_written_record_is_left_alone_while_its_turn_runs(conversation, tmp_path):
@@ -262,7 +273,7 @@ def test_damage_in_the_only_record_drops_the_conversation(conversation, tmp_path
 def test_every_header_field_is_under_the_digest(conversation, tmp_path, caplog):
     """A record whose header field is changed to another valid value (its adapter, its start length) is as damaged
     as a flipped tensor bit: set aside in quarantine/ (named in the log), never loaded; the conversation comes back
-    at its last good turn."""
+    at its last good turn, after one refusal that says so."""
     engine, state = conversation
     first = encode_record(delta_of(state, 0), engine.config)
     since = state.length
@@ -272,15 +283,17 @@ def test_every_header_field_is_under_the_digest(conversation, tmp_path, caplog):
                                                   f'"start_length":"{since - 1}"'.encode())):
         assert second.count(old) == 1
         damaged = second.replace(old, new)
-        deltas, end, problem = read_journal(first + damaged, engine.config)
-        assert len(deltas) == 1 and end == len(first) and "digest mismatch" in problem
+        scan = read_journal(first + damaged, engine.config)
+        assert len(scan.deltas) == 1 and scan.good == len(first) and "digest mismatch" in scan.problem
 
         path = tmp_path / "c1.state"
         path.write_bytes(first + damaged)
         shutil.rmtree(tmp_path / "quarantine", ignore_errors=True)
         caplog.clear()
-        with caplog.at_level(logging.ERROR):
-            loaded = ConversationStore(tmp_path, engine.config).load("c1")
+        store = ConversationStore(tmp_path, engine.config)
+        with caplog.at_level(logging.ERROR), pytest.raises(ConversationReset, match="digest mismatch"):
+            store.load("c1")
+        loaded = store.load("c1")
         assert loaded.length == since and loaded.bound.adapter == "A1"  # the first turn's, not the damaged one's
         (tail,) = (tmp_path / "quarantine").iterdir()
         assert tail.read_bytes() == damaged and str(tail) in caplog.text  # set aside whole, and named
