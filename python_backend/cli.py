@@ -66,12 +66,12 @@ def add_serve(commands, **options) -> None:
     parser.add_argument("--idle-timeout-s", type=float, help="a conversation idle this long ends (default 3600)")
     # left None here, filled from guard.GuardLimits when serving (the guard imports aiohttp: not for --help)
     parser.add_argument("--max-body-bytes", type=limits.parse_size,
-                        help="largest HTTP request body; larger ones get 413 (default 4M)")
+                        help="largest HTTP request body, on the Triton and the OpenAI port; larger ones get 413 (default 4M)")
     parser.add_argument("--max-json-depth", type=int,
-                        help="deepest JSON nesting of an HTTP request; deeper ones get 400 (default 64)")
+                        help="deepest JSON nesting of an HTTP request, on both ports; deeper ones get 400 (default 64)")
     parser.add_argument("--max-unsent-bytes", type=limits.parse_size,
-                        help="output of one HTTP stream its client has not taken yet; a client further behind has its "
-                             "stream ended with an error event (default 1M)")
+                        help="output of one HTTP stream its client has not taken yet, on both ports; a client further "
+                             "behind has its stream ended with an error event (default 1M)")
     parser.add_argument("--max-grpc-message-bytes", type=limits.parse_size, default=64 << 20,
                         help="largest gRPC message (a request, or a conversation's state sent to a decode server); "
                              "larger ones get RESOURCE_EXHAUSTED (default 64M)")

@@ -177,7 +177,7 @@ def start_openai(args: argparse.Namespace, public: Ports, grpc: str):
     # the model and adapter set: resolved as the engine resolves them (the same MOL2_* variables)
     settings = OpenAISettings(grpc, adapters_root=Path(args.adapters_root) if args.adapters_root else None,
                               max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
-                              max_json_depth=args.max_json_depth)
+                              max_json_depth=args.max_json_depth, max_unsent_bytes=args.max_unsent_bytes)
     try:
         front = OpenAIServer(settings, public.host, args.openai_port).start()
     except RuntimeError as error:

@@ -7,11 +7,14 @@ The engine takes the new set on its next request (AdapterSetWatcher: the file's 
 the router's option cache is keyed by the set's (route prompt, adapters), so a new set gets its own options.
 
 `lora_path` must lie inside the adapters root once symlinks and `..` are resolved: a server that loads whatever
-path a client names reads any file the server's user can read.
+path a client names reads any file the server's user can read. A path the OS cannot take (a NUL byte, a name or
+path over its limits, a symlink loop, a folder it may not read) is the client's 400 naming lora_path, as is a
+`lora_name` the adapter-set file cannot hold.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -20,6 +23,7 @@ from pathlib import Path
 
 from ced.adapters import AdapterError
 
+from ..adapter_set import _NAME as ADAPTER_NAME
 from ..adapter_set import AdapterSet, AdapterSetError, AdapterSetWatcher, parse_adapter_set
 from .schema import APIError
 
@@ -46,6 +50,9 @@ class AdapterManager:
         if name in RESERVED or ":" in name:
             raise APIError(400, f"lora_name {name!r} is reserved (the API's model names: {', '.join(RESERVED)}, "
                                 "and NAME:ADAPTER)", "lora_name", "invalid_value")
+        if not ADAPTER_NAME.match(name):  # the adapter-set file's rule: refused here, not as a bad file later
+            raise APIError(400, f"lora_name {_shown(name)} must be 1-64 letters, digits, '_', '.' or '-'",
+                           "lora_name", "invalid_value")
         directory = self.confined(path)
         with self._lock:
             raw = self._raw()
@@ -57,8 +64,8 @@ class AdapterManager:
                                     "unload one first", "lora_name", "no_free_slot")
             try:
                 self._checker.check(directory)
-            except (AdapterError, ValueError) as error:
-                raise APIError(400, f"the adapter at {path!r} cannot be served: {error}", "lora_path",
+            except (AdapterError, ValueError, OSError) as error:
+                raise APIError(400, f"the adapter at {_shown(path)} cannot be served: {error}", "lora_path",
                                "invalid_adapter") from None
             raw["adapters"].append({"name": name, "path": self._relative(directory),
                                     "description": description or _description(directory, name)})
@@ -78,14 +85,35 @@ class AdapterManager:
     def confined(self, path: str) -> Path:
         """`path` (absolute, or relative to the root) resolved; refused unless it is a directory inside the root."""
         candidate = Path(path) if Path(path).is_absolute() else self.root / path
-        resolved = candidate.resolve()  # symlinks and `..` are followed before the check, not after
-        if not resolved.is_relative_to(self.root):
-            raise APIError(400, f"lora_path {path!r} resolves to {resolved}, outside the adapters root {self.root} "
-                                "(mol2 serve --adapters-root)", "lora_path", "path_not_allowed")
-        if not resolved.is_dir():
-            raise APIError(400, f"lora_path {path!r} is not a directory inside {self.root}", "lora_path",
+        self._check_os_limits(path, candidate)
+        try:
+            resolved = candidate.resolve()  # symlinks and `..` are followed before the check, not after
+            inside = resolved.is_relative_to(self.root)
+            is_dir = inside and resolved.is_dir()
+        except (OSError, RuntimeError) as error:  # RuntimeError: pathlib's "Symlink loop from ..."
+            raise APIError(400, f"lora_path {_shown(path)} cannot be resolved: {_os_reason(error)}", "lora_path",
+                           "invalid_path") from None
+        if not inside:
+            raise APIError(400, f"lora_path {_shown(path)} resolves to {resolved}, outside the adapters root "
+                                f"{self.root} (mol2 serve --adapters-root)", "lora_path", "path_not_allowed")
+        if not is_dir:
+            raise APIError(400, f"lora_path {_shown(path)} is not a directory inside {self.root}", "lora_path",
                            "invalid_adapter")
         return resolved
+
+    def _check_os_limits(self, path: str, candidate: Path) -> None:
+        """What the OS refuses with an exception of its own (os.stat: ValueError for NUL, ENAMETOOLONG), refused
+        first with the limit named."""
+        if "\x00" in path:
+            raise APIError(400, "lora_path must not contain a NUL byte", "lora_path", "invalid_path")
+        name_max, path_max = os.pathconf(self.root, "PC_NAME_MAX"), os.pathconf(self.root, "PC_PATH_MAX")
+        longest = max((len(os.fsencode(part)) for part in candidate.parts), default=0)
+        if longest > name_max:
+            raise APIError(400, f"lora_path {_shown(path)} has a name of {longest} bytes, over the filesystem's limit "
+                                f"of {name_max} (NAME_MAX)", "lora_path", "invalid_path")
+        if len(os.fsencode(str(candidate))) >= path_max:
+            raise APIError(400, f"lora_path {_shown(path)} is {len(os.fsencode(str(candidate)))} bytes as a path, "
+                                f"over the OS's limit of {path_max - 1} (PATH_MAX)", "lora_path", "invalid_path")
 
     # -- the file -------------------------------------------------------------------------------------------------
 
@@ -128,6 +156,19 @@ class AdapterManager:
             raise
         self.watcher.poll()
         return adapter_set
+
+
+def _shown(text: str) -> str:
+    """A client's string in a message: quoted, and cut when long (a 4,000-byte path is not worth repeating)."""
+    return repr(text) if len(text) <= 80 else repr(text[:77]) + "..."
+
+
+def _os_reason(error: Exception) -> str:
+    if isinstance(error, OSError) and error.strerror:
+        return f"{error.strerror} ({errno.errorcode.get(error.errno, error.errno)})"
+    if isinstance(error, RuntimeError):  # Python 3.11's pathlib reports a loop itself instead of raising ELOOP
+        return f"{os.strerror(errno.ELOOP)} (ELOOP): {error}"
+    return str(error)
 
 
 def _description(directory: Path, name: str) -> str:

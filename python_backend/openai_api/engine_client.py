@@ -19,9 +19,13 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
+from ..server_errors import STORAGE_FULL, server_condition
 from .schema import APIError
 
 ENGINE = "engine"
+# How Triton answers a request for a model that is not loaded, still loading or unloaded: "... 'engine' is not
+# found", "... has no available versions", "... version 1 is not at ready state"
+ENGINE_GONE = "Request for unknown model"
 
 
 @dataclass
@@ -51,16 +55,23 @@ class EngineDelta:
 
 
 def engine_error(message: str) -> APIError:
-    """An error the engine sent. Its RequestErrors (a bad request: Triton's INVALID_ARG) come as their message; a
-    failure of its own starts 'engine failed' (INTERNAL). The stream carries the message only, not the code."""
-    if message.startswith("engine failed") or "INTERNAL" in message[:40]:
+    """An error the engine sent. Its RequestErrors (a bad request: Triton's INVALID_ARG) come as their message; the
+    server's own conditions start with a marker of server_errors.py, since the stream carries the message only."""
+    condition = server_condition(message)
+    if condition == STORAGE_FULL:
+        return APIError(507, message, code="storage_full")
+    if condition is not None or "INTERNAL" in message[:40]:
         return APIError(500, message, code="engine_error")
     if message.startswith("unknown adapter"):
         return APIError(404, message, "model", "model_not_found")
+    if message.startswith(ENGINE_GONE):  # Triton's own: the engine is not loaded (or not ready), not a bad request
+        return APIError(503, f"the engine is not available now ({message}); retry shortly", code="engine_unavailable")
     return APIError(400, message, code="engine_refused")
 
 
 def _tensor(name: str, value, datatype: str):
+    if datatype == "INT32" and not -2**31 <= value < 2**31:  # numpy would wrap it (2**32 + 5 -> 5) without a word
+        raise ValueError(f"{name}={value} does not fit the engine's INT32 input")
     array = np.array([value], dtype=object if datatype == "BYTES" else None)
     if datatype != "BYTES":
         array = array.astype({"INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64, "BOOL": bool}[datatype])
@@ -78,8 +89,8 @@ def _scalar(result, name: str, default=None):
 
 
 class EngineClient:
-    def __init__(self, url: str):
-        self.url = url
+    def __init__(self, url: str, model: str = ENGINE):
+        self.url, self.model = url, model  # the decoupled model each request streams to
         self.client: grpcaio.InferenceServerClient | None = None
         self.parameters: dict[str, str] = {}
         self.inputs: set[str] = set()
@@ -88,15 +99,15 @@ class EngineClient:
         """Open the channel (on the running event loop) and read the engine's config: its inputs and settings."""
         self.client = grpcaio.InferenceServerClient(self.url)
         try:
-            config = (await self.client.get_model_config(ENGINE, as_json=True))["config"]
+            config = (await self.client.get_model_config(self.model, as_json=True))["config"]
         except (InferenceServerException, grpc.RpcError) as error:
-            raise RuntimeError(f"the Triton server at {self.url} has no ready `{ENGINE}` model: {error}") from None
+            raise RuntimeError(f"the Triton server at {self.url} has no ready `{self.model}` model: {error}") from None
         self.inputs = {tensor["name"] for tensor in config.get("input", [])}
         self.parameters = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
         missing = {"messages", "prompt"} - self.inputs
         if missing:
-            raise RuntimeError(f"the `{ENGINE}` model at {self.url} lacks the input(s) {sorted(missing)} the OpenAI "
-                               "front end sends (whole histories, served through the engine's prefix cache)")
+            raise RuntimeError(f"the `{self.model}` model at {self.url} lacks the input(s) {sorted(missing)} the "
+                               "OpenAI front end sends (whole histories, served through the engine's prefix cache)")
 
     async def close(self) -> None:
         if self.client is not None:
@@ -124,7 +135,7 @@ class EngineClient:
         inputs = self._inputs(request)
 
         async def one_request():
-            yield {"model_name": ENGINE, "inputs": inputs}
+            yield {"model_name": self.model, "inputs": inputs}
 
         responses = self.client.stream_infer(one_request())
         try:

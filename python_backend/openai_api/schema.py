@@ -1,6 +1,12 @@
 """Request bodies of the OpenAI endpoints, validated strictly (a string where a number belongs is a 400 naming the
 field, not a silent conversion), and errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 
+A body is parsed within bounds before any of it is used: JSON nested deeper than max_json_depth is refused before
+the parser sees it (a parser recurses), and every string of it must be Unicode text UTF-8 can carry (a lone
+surrogate, from invalid bytes or an unpaired \\u escape, is a 400 naming its field, not a failure where it is
+encoded).
+Numbers must fit what the engine's inputs hold (INT32, FP32): no value is wrapped or rounded to 0 on the way.
+
 Fields OpenAI defines that this server cannot honour (tools, logprobs, penalties, n > 1, ...) are refused when set
 to anything but their no-op value, so a client never gets an answer computed without what it asked for. Fields
 nobody defined are ignored, as OpenAI's own server and vLLM do for forward compatibility. Two vLLM extensions are
@@ -14,9 +20,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ..guard import Refusal, check_depth
+
 MAX_TOKENS_LIMIT = 4096  # the engine's own bound on one request's new tokens
 DEFAULT_MAX_TOKENS = 256
 MAX_STOPS = 16
+INT32_MAX = 2**31 - 1  # top_k travels as the engine's INT32 input
+FLOAT32_SMALLEST = 1.401298464324817e-45  # the smallest positive float32: below it, FP32 inputs arrive as 0
 
 
 class APIError(Exception):
@@ -63,19 +73,64 @@ def _jsonable(value: Any) -> bool:
                                           and all(isinstance(v, scalars) for v in value))
 
 
-def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
-    """Bytes of a request -> the validated model; malformed JSON and bad fields both become a 400."""
+def parse_body(model: type[BaseModel], raw: bytes, max_json_depth: int) -> BaseModel:
+    """Bytes of a request -> the validated model. Malformed JSON, JSON nested deeper than `max_json_depth`, text
+    that is no valid Unicode and bad fields all become a 400."""
     try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        check_depth(raw, max_json_depth)  # before json.loads, which recurses (1,000 levels: RecursionError)
+    except Refusal as refusal:
+        raise APIError(refusal.status, refusal.message, None, "json_too_deep") from None
+    try:
+        # invalid UTF-8 bytes become lone surrogates, as JSON's unpaired \ud800 escapes do: _check_text then
+        # names the field that holds either
+        data = json.loads(raw.decode("utf-8", "surrogateescape"), parse_constant=_no_constant)
+    except (json.JSONDecodeError, ValueError, RecursionError) as error:
         raise APIError(400, f"the request body is not valid JSON: {error}", None, "invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}", None,
                        "invalid_json")
+    _check_text(data)
     try:
         return model.model_validate(data)
     except ValidationError as error:
         raise validation_error(error) from None
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_text(data: dict) -> None:
+    """Every string of the body, keys too, must be text UTF-8 can carry; the first that is not is named by its
+    field ("messages[0].content"). Iterative: the depth is bounded already, but no recursion is simpler to trust."""
+    stack = [((), data)]
+    while stack:
+        location, value = stack.pop()
+        if isinstance(value, str):
+            _check_string(location, value)
+        elif isinstance(value, dict):
+            for key in value:
+                _check_string(location, key, is_key=True)
+            stack.extend(reversed([(location + (key,), item) for key, item in value.items()]))  # in document order
+        elif isinstance(value, list):
+            stack.extend(reversed([(location + (index,), item) for index, item in enumerate(value)]))
+
+
+def _check_string(location: tuple, text: str, is_key: bool = False) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        name = _field_name(location) or "the request body"
+        what = f"a key of {name}" if is_key else name
+        point = ord(text[error.start])
+        if 0xDC80 <= point <= 0xDCFF:  # how surrogateescape decoded an invalid byte
+            why = (f"is not valid UTF-8: byte 0x{point - 0xDC00:02X} at character {error.start} (or an unpaired "
+                   f"\\u{point:04x} escape)")
+        else:
+            why = f"is not valid Unicode text: an unpaired surrogate \\u{point:04x} at character {error.start}"
+        raise APIError(400, f"{what} {why}", _field_name(location) or None, "invalid_text") from None
 
 
 class _Strict(BaseModel):
@@ -115,7 +170,7 @@ class _Sampling(_Strict):
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)  # OpenAI's default: sampled, not greedy
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)  # vLLM's extension; 0 = off
+    top_k: int = Field(default=0, ge=0, le=INT32_MAX)  # vLLM's extension; 0 = off
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     n: int = 1
@@ -132,6 +187,17 @@ class _Sampling(_Strict):
                 if name in data and not any(data[name] is u or data[name] == u for u in unused):
                     raise APIError(400, f"{name}: not supported by this server", name, "unsupported_parameter")
         return data
+
+    @field_validator("temperature", "top_p")
+    @classmethod
+    def _fits_float32(cls, value: float, info) -> float:
+        """The engine takes FP32: a positive value under float32's smallest would reach it as 0 (top_p 5e-324 did,
+        and was refused as top_p=0.0, a value never sent)."""
+        if 0 < value < FLOAT32_SMALLEST:
+            zero = "0 (greedy) or " if info.field_name == "temperature" else ""
+            raise ValueError(f"must be {zero}at least {FLOAT32_SMALLEST:.7g}, the smallest positive float32 (the "
+                             "engine's type): it would arrive as 0")
+        return value
 
     @field_validator("n")
     @classmethod

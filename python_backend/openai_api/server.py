@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -41,7 +42,18 @@ class OpenAIServer:
                 reason = getattr(self.app.state, "startup_error", None) or "it did not start in time"
                 raise RuntimeError(f"the OpenAI front end on {self.host}:{self.asked_port} did not start: {reason}")
             time.sleep(0.05)
+        self._limit_send_buffers()
         return self
+
+    def _limit_send_buffers(self) -> None:
+        """SO_SNDBUF on the listening sockets, which every accepted connection inherits (Linux): a slow client's
+        backlog then queues where max_unsent_bytes bounds it (streaming.py) rather than in the kernel."""
+        size = self.settings.send_buffer_bytes
+        if size is None:
+            return
+        for listener in self.server.servers:
+            for sock in listener.sockets:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
 
     def stop(self) -> None:
         self.server.should_exit = True
