@@ -205,14 +205,22 @@ class Scheduler:
         waiting = self.incoming.qsize()
         if block and not waiting:
             waiting = 1
+        taken = []
         for _ in range(waiting):
             try:
                 turn = self.incoming.get(timeout=0.5) if block else self.incoming.get_nowait()
             except queue.Empty:
-                return
+                break
             if turn is None:
-                return
+                break
             block = False
+            taken.append(turn)
+        if not taken:
+            return
+        # Each was parsed against the adapter set of its arrival, which may be newer than the set the engine last
+        # took: take it now, before any of them is routed (else a just-loaded adapter is "not loaded").
+        self._maybe_refresh()
+        for turn in taken:
             try:
                 self._open(turn)
                 self.prefilling.append(turn)
