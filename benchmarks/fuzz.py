@@ -49,7 +49,7 @@ from typing import Callable
 
 import numpy as np
 
-from python_backend.guard import TRITON_PARSER_ERRORS
+from python_backend.server.guard import TRITON_PARSER_ERRORS
 
 from . import _fuzz_ports as ports
 from ._report import add_plot_option, markdown_table, plot_path, save_figure, write_json
@@ -216,7 +216,7 @@ def snapshot(target: Target) -> dict[str, object]:
 
 
 def lock_held(path: Path) -> bool:
-    """Someone holds the turn lock: the file exists and cannot be flock'ed (python_backend/store.py)."""
+    """Someone holds the turn lock: the file exists and cannot be flock'ed (python_backend/core/store.py)."""
     try:
         descriptor = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -527,7 +527,7 @@ def bystander_request(st, bystanders):
 def model_configs(target: Target) -> dict[str, dict]:
     """Every model of the served repository that the server has ready, with its config (through the HTTP port
     clients reach; the repository index is closed to clients)."""
-    from python_backend.settings import ROOT
+    from python_backend.core.settings import ROOT
 
     repository = target.repository or ROOT / "model_repository"
     configs = {}
@@ -721,7 +721,7 @@ def _free_ports(count: int) -> list[int]:
 
 def served(name: str, work: Path, extra: list[str], logs: Path) -> tuple[ServedProcess, Target]:
     """A `mol2 serve` of role `name` on free ports; the single server (role all) with its OpenAI API."""
-    from python_backend.settings import ROOT
+    from python_backend.core.settings import ROOT
 
     http_port, grpc_port, metrics_port, openai_port = _free_ports(4)
     store = work / f"{name}-store"
@@ -731,7 +731,7 @@ def served(name: str, work: Path, extra: list[str], logs: Path) -> tuple[ServedP
                              *openai, *extra], http_port, logs / f"fuzz_{name}.out", {})
     target = Target(name, process.http, f"127.0.0.1:{grpc_port}", store, process.restarts, process.recover,
                     openai=f"127.0.0.1:{openai_port}" if name == "single" else None)
-    if name == "prefill":  # its relays stand in a repository it generates (python_backend/serve_cli.py)
+    if name == "prefill":  # its relays stand in a repository it generates (python_backend/server/serve_cli.py)
         target.repository = ROOT / "artifacts" / "triton" / f"prefill-repository-{grpc_port}"
     return process, target
 
@@ -744,7 +744,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     add_plot_option(parser, "artifacts/benchmarks/fuzz.png")
     args = parser.parse_args(argv)
     args.plot = plot_path(args)
-    from python_backend.settings import ROOT
+    from python_backend.core.settings import ROOT
 
     counts = QUICK if args.quick else FULL
     logs = ROOT / "artifacts/logs"

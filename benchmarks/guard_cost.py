@@ -1,5 +1,5 @@
 """What the gRPC guard costs: tokens/s of gRPC streams sent straight to tritonserver and through
-python_backend/grpc_guard.py (the proxy `mol2 serve` puts on its public gRPC port to bound message sizes), on the
+python_backend/server/grpc_guard.py (the proxy `mol2 serve` puts on its public gRPC port to bound message sizes), on the
 demo, in one run.
 
 Cells of `--cell-s` seconds alternate between the two paths (direct, guarded, guarded, direct, ...), at each
@@ -83,9 +83,9 @@ class GuardThread:
     """grpc_guard.GrpcGuard on a loop of its own, in front of `upstream`."""
 
     def __init__(self, upstream: str):
-        from python_backend.grpc_guard import GrpcGuard, serve_grpc_guard
-        from python_backend.guard import ServerState
-        from python_backend.supervisor import free_loopback_port
+        from python_backend.server.grpc_guard import GrpcGuard, serve_grpc_guard
+        from python_backend.server.guard import ServerState
+        from python_backend.server.supervisor import free_loopback_port
 
         self.port = free_loopback_port()
         self.loop = asyncio.new_event_loop()

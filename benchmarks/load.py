@@ -460,10 +460,10 @@ def demo_server(log_name: str, env: dict[str, str] | None = None):
     import tempfile
     from pathlib import Path
 
-    from python_backend.launcher import Ports, running
-    from python_backend.roles import single_server_models
-    from python_backend.serve_cli import prepare_demo
-    from python_backend.settings import ROOT
+    from python_backend.server.launcher import Ports, running
+    from python_backend.server.roles import single_server_models
+    from python_backend.server.serve_cli import prepare_demo
+    from python_backend.core.settings import ROOT
 
     model_dir = prepare_demo()
     repository = ROOT / "model_repository"

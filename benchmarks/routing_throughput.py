@@ -246,9 +246,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.quick:
         args.rounds, args.repeats, args.max_tokens = 1, 1, 8
 
-    from python_backend.launcher import Ports, running
-    from python_backend.serve_cli import prepare_demo
-    from python_backend.settings import ROOT
+    from python_backend.server.launcher import Ports, running
+    from python_backend.server.serve_cli import prepare_demo
+    from python_backend.core.settings import ROOT
 
     model_dir = prepare_demo()
     env = {"MOL2_ENGINE": args.engine}

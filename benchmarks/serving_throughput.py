@@ -255,8 +255,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     from tokenizers import Tokenizer
 
-    from python_backend.launcher import Ports
-    from python_backend.serve_cli import prepare_demo
+    from python_backend.server.launcher import Ports
+    from python_backend.server.serve_cli import prepare_demo
 
     model_dir = prepare_demo()
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))

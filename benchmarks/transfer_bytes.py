@@ -1,6 +1,6 @@
 """Bytes on the wire per turn between a disaggregated pair: the full transfer beside the delta transfer.
 
-In process, through the code the servers run (python_backend/delta_transfer.py's RelayTransfers and
+In process, through the code the servers run (python_backend/core/delta_transfer.py's RelayTransfers and
 DecodeTransfers, the real conversation store and engine): a conversation whose first turn is a prompt of N tokens
 (the history; its answer of --answer tokens), then short turns (--turn tokens in, --answer tokens out, under no
 adapter). For each short turn: the bytes the relay sends decode (`to_decode`) and decode sends back
@@ -19,9 +19,9 @@ import tempfile
 import torch
 
 from ced import CEDConfig, CEDEngine, CEDForCausalLM
-from python_backend.delta_transfer import DecodeTransfers, RelayTransfers
-from python_backend.store import ConversationStore
-from python_backend.transfer import encode_state
+from python_backend.core.delta_transfer import DecodeTransfers, RelayTransfers
+from python_backend.core.store import ConversationStore
+from python_backend.core.transfer import encode_state
 
 from ._report import markdown_table, write_json
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from python_backend.launcher import LaunchError
+from python_backend.server.launcher import LaunchError
 
 from .registry import directions, family_names
 from .pipeline import N_HELD, N_TRAIN
@@ -69,7 +69,7 @@ def cmd_serve(args) -> None:
     import signal
     import time
 
-    from python_backend.launcher import LaunchError, Ports, start, stop, wait_ready
+    from python_backend.server.launcher import LaunchError, Ports, start, stop, wait_ready
 
     from .serving import REPOSITORY
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from python_backend.triton_io import Outputs, as_text, optional, required_text, respond_each, text_tensor
+from python_backend.triton.triton_io import Outputs, as_text, optional, required_text, respond_each, text_tensor
 
 from . import mapfile
 from .families import Capture

@@ -1,5 +1,5 @@
 """`mol2 COMMAND ...`: the one entry point. Each command belongs to its package, which adds it to the parser
-(`register` in ced/cli.py, mol2_router/cli.py, engine_build/cli.py, heterofold/cli.py; python_backend/cli.py for serve
+(`register` in ced/cli.py, mol2_router/cli.py, engine_build/cli.py, heterofold/cli.py; python_backend/server/cli.py for serve
 and repo; mol2_cli/bench.py for bench)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import sys
 # `mol2 --help` loads no package and `mol2 serve --help` only the server's options.
 COMMANDS = {
     "chat": ("ced.cli:register", "run a scripted conversation that switches adapters"),
-    "serve": ("python_backend.cli:add_serve", "start the Triton server (prefill -> route -> decode)"),
-    "repo": ("python_backend.cli:add_repo", "build the Triton model repository"),
+    "serve": ("python_backend.server.cli:add_serve", "start the Triton server (prefill -> route -> decode)"),
+    "repo": ("python_backend.server.cli:add_repo", "build the Triton model repository"),
     "router": ("mol2_router.cli:register", "the MoL2 router: data, H19 extraction, training, evaluation, benchmarks"),
     "build": ("engine_build.cli:register", "build the demo model (corpus, tokenizer, pretraining, adapters) and its "
                                            "engines (ONNX, TensorRT)"),
@@ -40,8 +40,8 @@ def user_errors() -> tuple[type[Exception], ...]:
     """The errors that mean bad input or a failed start: one line, no traceback. Imported only once a command has
     failed, so no command pays for the others' packages."""
     from mol2_router.data import RouteDataError
-    from python_backend.adapter_set import AdapterSetError
-    from python_backend.launcher import LaunchError
+    from python_backend.core.adapter_set import AdapterSetError
+    from python_backend.server.launcher import LaunchError
 
     return OSError, RouteDataError, AdapterSetError, LaunchError
 

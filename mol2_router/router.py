@@ -105,7 +105,7 @@ class MoL2Router(Router):
         return self.head.score(pooled.float().reshape(1, -1), self.cache)[0]
 
     def score_adapter_set(self, h19_pooled: Tensor, adapter_set) -> dict[str, float]:
-        """Serving's hook (python_backend.routing): pooled H19 (C,) and the served adapter set (.route_prompt and
+        """Serving's hook (python_backend.core.routing): pooled H19 (C,) and the served adapter set (.route_prompt and
         entries with .name and .description) -> one score per adapter. The option side reads the set's route prompt
         (the trained one when the set has none) and is computed once per set: a request on a set seen before
         only looks its cache up."""

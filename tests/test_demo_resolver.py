@@ -71,7 +71,7 @@ def test_an_untrained_model_of_ones_own_is_used_not_rebuilt(places):
 
 def test_every_command_and_the_server_find_the_same_demo(places, capsys):
     from mol2_router.cli import _demo
-    from python_backend.settings import demo_model_dir
+    from python_backend.core.settings import demo_model_dir
 
     tmp, _ = places
     fake_demo(tmp / "models" / "demo")

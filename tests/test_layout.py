@@ -1,4 +1,6 @@
-"""The packages form layers: no import cycle between them, none from a lower layer up; `mol2 --help` loads no torch."""
+"""The packages form layers: no import cycle between them, none from a lower layer up; python_backend's wings (core:
+the engine's process, triton: the Triton models, server: the `mol2 serve` process) import only downwards, and core
+nothing of Triton; `mol2 --help` loads no torch."""
 
 from __future__ import annotations
 
@@ -61,9 +63,43 @@ def test_no_import_cycle_between_packages():
     assert [p for p, seen in reach.items() if p in seen] == []
 
 
+# python_backend's wings, lowest first: which process a file runs in is the folder it sits in.
+WINGS = {"core": 0, "triton": 1, "server": 2}
+TRITON_ONLY = {"triton_python_backend_utils", "tritonclient", "python_backend.triton", "python_backend.server"}
+
+
+def wing_imports() -> dict[str, set[str]]:
+    """python_backend's modules (by wing-relative name) -> what each imports."""
+    found = {}
+    for path in sorted((ROOT / "python_backend").rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        found[module] = imported(path, module)
+    return found
+
+
+def test_every_backend_file_sits_in_a_wing():
+    loose = [p.name for p in (ROOT / "python_backend").iterdir() if p.name not in ("__init__.py", "__pycache__")]
+    assert sorted(loose) == sorted(WINGS)
+
+
+def test_wings_import_only_downwards_and_core_nothing_of_triton():
+    upward = []
+    for module, names in wing_imports().items():
+        wing = module.split(".")[1] if module.count(".") else None
+        if wing not in WINGS:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "python_backend" and len(parts) > 1 and parts[1] in WINGS and WINGS[parts[1]] > WINGS[wing]:
+                upward.append(f"{module} -> {name}")
+            if wing == "core" and any(name == t or name.startswith(t + ".") for t in TRITON_ONLY):
+                upward.append(f"{module} -> {name}")
+    assert upward == []
+
+
 def test_serve_options_name_every_engine_kind():
     from ced.engines import ENGINE_KINDS
-    from python_backend import cli
+    from python_backend.server import cli
 
     assert cli.ENGINE_KINDS == ENGINE_KINDS
 
@@ -81,5 +117,5 @@ def test_help_imports_no_torch():
     for argv in (["--help"], ["serve", "--help"], ["router", "--help"], ["build", "--help"], ["chat", "--help"]):
         modules = loaded_by(*argv)
         assert "mol2_cli" in modules and not modules & {"torch", "transformers", "numpy", "aiohttp"}, argv
-    assert "python_backend.cli" in loaded_by("serve", "--help")
+    assert "python_backend.server.cli" in loaded_by("serve", "--help")
     assert not {m for m in loaded_by("--help") if m.split(".")[0] in LAYERS} - {"mol2_cli"}

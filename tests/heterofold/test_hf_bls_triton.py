@@ -11,7 +11,7 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from heterofold import pipeline, zoo
 from heterofold.serving import REPOSITORY
-from python_backend.launcher import Ports, running
+from python_backend.server.launcher import Ports, running
 
 TEXTS = ["grep searches the named input files for lines containing a match.",
          "Return a new sorted list from the items in iterable."]

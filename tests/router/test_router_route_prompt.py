@@ -12,7 +12,7 @@ import torch
 from mol2_router import Candidate, MoL2Router, PointerHead, RouterConfig, RouteTokenizer
 from mol2_router.data import RouteDataError
 from mol2_router.features import ROUTE_PROMPT, option_tokens, pad_batch
-from python_backend.adapter_set import parse_adapter_set
+from python_backend.core.adapter_set import parse_adapter_set
 
 CANDIDATES = (Candidate("chat", "small talk and jokes"), Candidate("agent", "shell commands and tools"),
               Candidate("coding", "python code"))

@@ -17,10 +17,10 @@ from mol2_router.data import Candidate
 from mol2_router.features import RouteTokenizer
 from mol2_router.head import PointerHead
 from mol2_router.router import MoL2Router
-from python_backend.launcher import Ports, running
-from python_backend.repo_build import build
-from python_backend.seal import SECRET_VARIABLE, create_secret_file
-from python_backend.settings import ROOT
+from python_backend.server.launcher import Ports, running
+from python_backend.server.repo_build import build
+from python_backend.core.seal import SECRET_VARIABLE, create_secret_file
+from python_backend.core.settings import ROOT
 
 ADAPTERS = {"chat": "small talk and jokes", "coding": "Python code"}
 

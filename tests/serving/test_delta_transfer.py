@@ -1,4 +1,4 @@
-"""The disaggregated pair's delta transfer (python_backend/delta_transfer.py) without a server: the codec, the
+"""The disaggregated pair's delta transfer (python_backend/core/delta_transfer.py) without a server: the codec, the
 decode server's cache, and the relay with an in-process decode stage and prefill (real engine, real store, real
 seals). A delta rebuilds bitwise the state a full transfer gives; its bytes do not grow with the history; a
 missing or wrong base falls back to the full transfer with the same answers; a damaged delta is refused."""
@@ -18,17 +18,17 @@ from safetensors.torch import load
 from ced import CEDConfig
 
 from ced.batched import BatchedEngine
-from python_backend.adapter_set import parse_adapter_set, sync_registry
-from python_backend.delta_transfer import (BASE_REFUSED, DELTA, FULL, TO_DECODE, TO_PREFILL, BaseRefused,
+from python_backend.core.adapter_set import parse_adapter_set, sync_registry
+from python_backend.core.delta_transfer import (BASE_REFUSED, DELTA, FULL, TO_DECODE, TO_PREFILL, BaseRefused,
                                            DecodeTransfers, base_of, cache_bytes, decode_delta, encode_delta,
                                            rebuild)
-from python_backend.fnv import BASE
-from python_backend.front import Relay
-from python_backend.seal import DECODE, PREFILL, RETURNED, Sealer, decode_fields, prefill_fields, returned_fields
-from python_backend.stages import DecodeRequest, DecodeStage, TransferMeta
-from python_backend.store import ConversationStore
-from python_backend.transfer import TransferError, _read_metadata, decode_state, encode_state
-from python_backend.triton_io import RequestError
+from python_backend.core.fnv import BASE
+from python_backend.triton.front import Relay
+from python_backend.core.seal import DECODE, PREFILL, RETURNED, Sealer, decode_fields, prefill_fields, returned_fields
+from python_backend.core.stages import DecodeRequest, DecodeStage, TransferMeta
+from python_backend.core.store import ConversationStore
+from python_backend.core.transfer import TransferError, _read_metadata, decode_state, encode_state
+from python_backend.triton.triton_io import RequestError
 
 SEALER = Sealer(bytes(range(32)))
 CONFIG = CEDConfig.from_name("tiny")  # the `engine` fixture's

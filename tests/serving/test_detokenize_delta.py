@@ -2,7 +2,7 @@
 characters held back until complete, however the ids were split into responses."""
 
 from ced.tokenization import ByteTokenizer
-from python_backend.detokenize import text_delta, window
+from python_backend.core.detokenize import text_delta, window
 
 decode = ByteTokenizer().decode
 

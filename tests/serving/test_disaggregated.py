@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from python_backend.roles import build_prefill_repository, decode_models
+from python_backend.server.roles import build_prefill_repository, decode_models
 
 from test_triton import generate, metric_totals, post, stream_events
 

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from python_backend.engine_core import STORAGE_FULL, error_event
-from python_backend.journal import delta_of
-from python_backend.openai_api.app import _guarded
-from python_backend.openai_api.streaming import sse as _sse
-from python_backend.openai_api.engine_client import engine_error
-from python_backend.store import ConversationReset, ConversationStore, StoreDamaged
-from python_backend.triton_io import RequestError
+from python_backend.core.engine_core import STORAGE_FULL, error_event
+from python_backend.core.journal import delta_of
+from python_backend.server.openai_api.app import _guarded
+from python_backend.server.openai_api.streaming import sse as _sse
+from python_backend.server.openai_api.engine_client import engine_error
+from python_backend.core.store import ConversationReset, ConversationStore, StoreDamaged
+from python_backend.triton.triton_io import RequestError
 
 from test_journal import assert_same_shared, conversation, next_turn  # noqa: F401 - `conversation` is a fixture
 from test_fuzz import guard_in_front

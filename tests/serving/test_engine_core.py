@@ -1,4 +1,4 @@
-"""The engine's core process (python_backend/engine_core.py) behind the stub: a client that cancels its stream stops
+"""The engine's core process (python_backend/core/engine_core.py) behind the stub: a client that cancels its stream stops
 its turn there; a core killed mid-turn gives the client a clear error, the turn stores nothing, a new core serves
 the next requests and the conversation goes on from its last good turn."""
 
@@ -16,7 +16,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from ced.tokenization import ChatTokenizer
-from python_backend.supervisor import model_processes
+from python_backend.server.supervisor import model_processes
 
 from test_triton import generate, metric_totals
 
@@ -27,7 +27,7 @@ def engine_core_pid(ports) -> int:
     servers = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
     stubs = {pid: name for server in map(int, servers.split()) for pid, name in model_processes(server).items()}
     stub = next(pid for pid, name in stubs.items() if name == "engine")
-    children = subprocess.run(["pgrep", "-P", str(stub), "-f", "python_backend.engine_core"], capture_output=True,
+    children = subprocess.run(["pgrep", "-P", str(stub), "-f", "python_backend.core.engine_core"], capture_output=True,
                               text=True).stdout.split()
     assert len(children) == 1, children
     return int(children[0])

@@ -14,8 +14,8 @@ import pytest
 
 from benchmarks.fuzz import COLUMNS, Target, fuzz, seed_conversations, totals
 from benchmarks._report import markdown_table
-from python_backend.launcher import Ports
-from python_backend.openai_api import OpenAIServer, OpenAISettings
+from python_backend.server.launcher import Ports
+from python_backend.server.openai_api import OpenAIServer, OpenAISettings
 
 COUNTS = {"generate_json": 30, "generate_stream": 10, "malformed_json": 20, "deep_nesting": 8, "infer": 5,
           "concurrent_turns": 3, "bystander_refusals": 12, "repository_api": 16, "openai_json": 20,
@@ -24,8 +24,8 @@ COUNTS = {"generate_json": 30, "generate_stream": 10, "malformed_json": 20, "dee
 
 @contextlib.contextmanager
 def guard_in_front(upstream: str):
-    """python_backend/guard.py on a port of its own, forwarding to `upstream` (tritonserver's HTTP)."""
-    from python_backend.guard import Guard, ServerState, serve_guard
+    """python_backend/server/guard.py on a port of its own, forwarding to `upstream` (tritonserver's HTTP)."""
+    from python_backend.server.guard import Guard, ServerState, serve_guard
 
     loop, port = asyncio.new_event_loop(), Ports.free().http
     runners = loop.run_until_complete(serve_guard(Guard(ServerState(upstream=upstream, starting=False)),

@@ -26,9 +26,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from python_backend.guard import Guard, GuardLimits, Refusal, ServerState, check_generate, error_status, json_depth
-from python_backend.launcher import LaunchError
-from python_backend.supervisor import Peer, Supervisor
+from python_backend.server.guard import Guard, GuardLimits, Refusal, ServerState, check_generate, error_status, json_depth
+from python_backend.server.launcher import LaunchError
+from python_backend.server.supervisor import Peer, Supervisor
 
 CONFIG = {"name": "m", "max_batch_size": 0, "input": [
     {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]},

@@ -12,9 +12,9 @@ import urllib.request
 import pytest
 
 from ced import CEDConfig
-from python_backend.seal import DECODE, PREFILL, Sealer, decode_fields, prefill_fields
-from python_backend.store import ConversationStore
-from python_backend.transfer import encode_state
+from python_backend.core.seal import DECODE, PREFILL, Sealer, decode_fields, prefill_fields
+from python_backend.core.store import ConversationStore
+from python_backend.core.transfer import encode_state
 
 from test_triton import generate
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from ced import CEDConfig
-from python_backend.journal import (JournalError, apply_delta, decode_record, delta_of, empty_state, encode_record,
+from python_backend.core.journal import (JournalError, apply_delta, decode_record, delta_of, empty_state, encode_record,
                                     read_journal)
-from python_backend.store import ConversationReset, ConversationStore, StoreError
-from python_backend.transfer import TransferError, decode_state, encode_state
+from python_backend.core.store import ConversationReset, ConversationStore, StoreError
+from python_backend.core.transfer import TransferError, decode_state, encode_state
 
 
 @pytest.fixture()

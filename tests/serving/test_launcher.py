@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from python_backend.launcher import LaunchError, Ports, start, stop
+from python_backend.server.launcher import LaunchError, Ports, start, stop
 
 
 def test_a_server_is_not_started_on_ports_in_use(tmp_path):

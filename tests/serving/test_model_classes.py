@@ -11,18 +11,18 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from python_backend.decode_model import DecodeModel
-from python_backend.detokenize_model import DetokenizeModel
-from python_backend.prefill_model import PrefillModel
-from python_backend.relay_model import RelayModel
-from python_backend.roles import relay_config
-from python_backend.route_model import RouteModel
-from python_backend.router_model import RouterModel
-from python_backend.seal import DECODE, PREFILL, SECRET_VARIABLE, Sealer, create_secret_file, decode_fields, \
+from python_backend.triton.decode_model import DecodeModel
+from python_backend.triton.detokenize_model import DetokenizeModel
+from python_backend.triton.prefill_model import PrefillModel
+from python_backend.triton.relay_model import RelayModel
+from python_backend.server.roles import relay_config
+from python_backend.triton.route_model import RouteModel
+from python_backend.triton.router_model import RouterModel
+from python_backend.core.seal import DECODE, PREFILL, SECRET_VARIABLE, Sealer, create_secret_file, decode_fields, \
     prefill_fields
-from python_backend.settings import ROOT
-from python_backend.tokenize_model import TokenizeModel
-from python_backend.triton_io import Outputs
+from python_backend.core.settings import ROOT
+from python_backend.triton.tokenize_model import TokenizeModel
+from python_backend.triton.triton_io import Outputs
 
 FINAL = 1
 

@@ -20,9 +20,9 @@ from openai import OpenAI
 from ced import CEDConfig, CEDForCausalLM
 from ced.synthetic import make_random_adapter
 from ced.tokenization import ChatTokenizer
-from python_backend.openai_api import OpenAIServer, OpenAISettings
-from python_backend.openai_api.generation import StopMatcher
-from python_backend.openai_api.metrics import Metrics
+from python_backend.server.openai_api import OpenAIServer, OpenAISettings
+from python_backend.server.openai_api.generation import StopMatcher
+from python_backend.server.openai_api.metrics import Metrics
 
 HELLO = [{"role": "user", "content": "hello there, how are you?"}]
 

@@ -17,8 +17,8 @@ import urllib.request
 import psutil
 import pytest
 
-from python_backend.openai_api import OpenAIServer, OpenAISettings
-from python_backend.openai_api.engine_client import engine_error
+from python_backend.server.openai_api import OpenAIServer, OpenAISettings
+from python_backend.server.openai_api.engine_client import engine_error
 
 MIB = 1 << 20
 HELLO = [{"role": "user", "content": "hello there"}]

@@ -11,9 +11,9 @@ import pytest
 
 from ced.batched import BatchedEngine
 from ced.tokenization import ChatTokenizer
-from python_backend.scheduler import Scheduler, Turn
-from python_backend.stages import RouteDecision
-from python_backend.store import ConversationStore
+from python_backend.core.scheduler import Scheduler, Turn
+from python_backend.core.stages import RouteDecision
+from python_backend.core.store import ConversationStore
 
 from test_scheduler import Sink, make_engine  # the scheduler tests' sink and engine
 

@@ -9,13 +9,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from python_backend.bls import StageFailure, bls_call
-from python_backend.front import Relay
-from python_backend.seal import DECODE, PREFILL, RETURNED, SealError, Sealer, decode_fields, prefill_fields, \
+from python_backend.triton.bls import StageFailure, bls_call
+from python_backend.triton.front import Relay
+from python_backend.core.seal import DECODE, PREFILL, RETURNED, SealError, Sealer, decode_fields, prefill_fields, \
     returned_fields
-from python_backend.triton_io import RequestError
-from python_backend.store import ConversationStore
-from python_backend.transfer import encode_state
+from python_backend.triton.triton_io import RequestError
+from python_backend.core.store import ConversationStore
+from python_backend.core.transfer import encode_state
 
 
 class Result:

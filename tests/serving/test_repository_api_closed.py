@@ -12,7 +12,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from python_backend.launcher import ADMIN_HEADER, admin_key_path
+from python_backend.server.launcher import ADMIN_HEADER, admin_key_path
 
 # A Python-backend model whose initialize would leave a file behind: the proof that its code ran.
 MODEL_PY = """

@@ -13,7 +13,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from python_backend.supervisor import model_processes
+from python_backend.server.supervisor import model_processes
 
 MIB = 1 << 20
 

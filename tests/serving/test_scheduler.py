@@ -9,9 +9,9 @@ import pytest
 from ced import CEDEngine, CEDForCausalLM
 from ced.batched import BatchedEngine
 from ced.tokenization import ChatTokenizer
-from python_backend.scheduler import CancelledTurn, Scheduler, Turn
-from python_backend.stages import RouteDecision
-from python_backend.store import ConversationStore
+from python_backend.core.scheduler import CancelledTurn, Scheduler, Turn
+from python_backend.core.stages import RouteDecision
+from python_backend.core.store import ConversationStore
 
 
 class Sink:

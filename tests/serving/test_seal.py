@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from python_backend.seal import (DECODE, PREFILL, RETURNED, SECRET_VARIABLE, SealError, Sealer, create_secret_file,
+from python_backend.core.seal import (DECODE, PREFILL, RETURNED, SECRET_VARIABLE, SealError, Sealer, create_secret_file,
                                  decode_fields, prefill_fields, read_secret, returned_fields)
 
 STATE = b"some state bytes"

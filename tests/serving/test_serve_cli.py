@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from python_backend.launcher import Ports
+from python_backend.server.launcher import Ports
 
 
 def mol2_command() -> list[str]:
@@ -133,7 +133,7 @@ def test_wrong_types_and_malformed_json_are_400s_naming_the_field(serve):
 def test_limits_refuse_with_the_limit_and_its_value(serve):
     ports = serve[0]
     status, answer = generate(ports, text_input="many words " * 20)
-    # refused by its size before tokenizing (python_backend/limits.py check_text), naming the limit and its value
+    # refused by its size before tokenizing (python_backend/core/limits.py check_text), naming the limit and its value
     assert status == 400 and "text_input is 220 bytes, more than this server's limit of 64 tokens per request " \
         "(max_prompt_tokens) can hold" in answer["error"], answer
     started = [generate(ports, text_input=f"conversation {n}") for n in range(2)]

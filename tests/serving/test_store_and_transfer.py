@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from ced import CEDConfig
-from python_backend.fnv import adapter_hash
-from python_backend.store import ConversationBusy, ConversationStore, StoreError, UnknownConversation
-from python_backend.transfer import TransferError, decode_state, encode_state
+from python_backend.core.fnv import adapter_hash
+from python_backend.core.store import ConversationBusy, ConversationStore, StoreError, UnknownConversation
+from python_backend.core.transfer import TransferError, decode_state, encode_state
 
 
 @pytest.fixture()
@@ -118,7 +118,7 @@ def test_conversation_ids_cannot_name_files(tmp_path, bad, tiny_config):
 
 
 def test_repo_build_writes_one_ensemble_per_set(served_dir, tmp_path):
-    from python_backend.repo_build import build
+    from python_backend.server.repo_build import build
 
     repository = tmp_path / "repo"
     written = build(served_dir / "adapter_set.json", repository, name="support")
@@ -132,14 +132,14 @@ def test_repo_build_writes_one_ensemble_per_set(served_dir, tmp_path):
     route = (repository / "route_support" / "config.pbtxt").read_text()
     assert 'name: "route_support"' in route and 'string_value: "router_support"' in route
     # a new repository is whole (the shared models beside the set's); the committed one is never written
-    from python_backend.repo_build import GENERATED, TEMPLATES
+    from python_backend.server.repo_build import GENERATED, TEMPLATES
 
     assert {"tokenize", "engine", "mol2"} <= {p.name for p in repository.iterdir()}
     assert not (TEMPLATES / "mol2_support").exists() and GENERATED != TEMPLATES
 
 
 def test_a_set_kept_away_from_a_router_head_routes_with_the_models(served_dir, tmp_path):
-    from python_backend.repo_build import build
+    from python_backend.server.repo_build import build
 
     elsewhere = tmp_path / "sets" / "two.json"
     elsewhere.parent.mkdir()
@@ -154,7 +154,7 @@ def test_a_set_kept_away_from_a_router_head_routes_with_the_models(served_dir, t
 def test_an_adapter_set_gives_each_entry_its_own_directory(tmp_path):
     import json
 
-    from python_backend.adapter_set import AdapterSetError, parse_adapter_set
+    from python_backend.core.adapter_set import AdapterSetError, parse_adapter_set
 
     entries = [{"name": "code", "path": "adapters/coding", "description": "code"},
                {"name": "code_v2", "path": "adapters/../adapters/coding", "description": "the same weights"}]
@@ -166,9 +166,9 @@ def test_an_adapter_set_gives_each_entry_its_own_directory(tmp_path):
 def test_an_adapter_that_failed_to_load_is_named_with_its_error(engine, adapter_dirs, tmp_path):
     import json
 
-    from python_backend.adapter_set import parse_adapter_set, sync_registry
-    from python_backend.stages import DecodeStage
-    from python_backend.triton_io import RequestError
+    from python_backend.core.adapter_set import parse_adapter_set, sync_registry
+    from python_backend.core.stages import DecodeStage
+    from python_backend.triton.triton_io import RequestError
 
     entries = [{"name": "A1", "path": adapter_dirs["A1"], "description": "fine"},
                {"name": "broken", "path": str(tmp_path / "missing"), "description": "no such directory"}]

@@ -16,10 +16,10 @@ import pytest
 
 from ced.batched import BatchedEngine
 from ced.tokenization import ChatTokenizer
-from python_backend.journal import read_journal
-from python_backend.scheduler import Scheduler, Turn
-from python_backend.stages import RouteDecision
-from python_backend.store import ConversationReset, ConversationStore
+from python_backend.core.journal import read_journal
+from python_backend.core.scheduler import Scheduler, Turn
+from python_backend.core.stages import RouteDecision
+from python_backend.core.store import ConversationReset, ConversationStore
 
 from test_engine_core import engine_core_pid
 from test_journal import assert_same_shared

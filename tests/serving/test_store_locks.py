@@ -16,17 +16,17 @@ import pytest
 from ced import CEDEngine, CEDForCausalLM
 from ced.batched import BatchedEngine
 from ced.tokenization import ChatTokenizer
-from python_backend.limits import LimitError, Limits, parse_size
-from python_backend.scheduler import Scheduler, Turn
-from python_backend.settings import ServingSettings
-from python_backend.stages import PrefillStage, RouteDecision
-from python_backend.store import ConversationBusy, ConversationStore, StoreInUse, hold_store
+from python_backend.core.limits import LimitError, Limits, parse_size
+from python_backend.core.scheduler import Scheduler, Turn
+from python_backend.core.settings import ServingSettings
+from python_backend.core.stages import PrefillStage, RouteDecision
+from python_backend.core.store import ConversationBusy, ConversationStore, StoreInUse, hold_store
 
 # Another process: holds the store (as `mol2 serve` does) and a turn of c1, then waits to be killed.
 HOLDER = """
 import sys, time
 from ced import CEDConfig
-from python_backend.store import ConversationStore, hold_store
+from python_backend.core.store import ConversationStore, hold_store
 hold_store(sys.argv[1], {"pid": __import__("os").getpid(), "http": "127.0.0.1:1"})
 ConversationStore(sys.argv[1], CEDConfig.from_name("tiny")).begin_turn("c1")
 print("held", flush=True)
@@ -144,8 +144,8 @@ def test_the_relay_holds_the_turn_lock_in_its_own_process(engine, tmp_path):
     turn runs is refused before any stage is called, and a new conversation over the limits stores nothing."""
     import numpy as np
 
-    from python_backend.front import Relay
-    from python_backend.seal import Sealer
+    from python_backend.triton.front import Relay
+    from python_backend.core.seal import Sealer
 
     state = engine.new_conversation()
     engine.turn(state, list(range(12)), "A1")

@@ -86,7 +86,7 @@ def test_grpc_streaming(server):
 
 def test_a_decoupled_model_sends_only_the_outputs_asked_for(server):
     """The engine builds every output but sends only those requested: Triton's Python backend would drop the rest
-    inside `send` without the GIL, which corrupted the engine's heap under load (python_backend/triton_io.py)."""
+    inside `send` without the GIL, which corrupted the engine's heap under load (python_backend/triton/triton_io.py)."""
     responses: queue.Queue = queue.Queue()
     stream = grpcclient.InferenceServerClient(server.grpc_url)
     stream.start_stream(callback=partial(lambda q, result, error: q.put((result, error)), responses))

@@ -1,11 +1,11 @@
 """Decoupled decode on a split server (replay W under the transfer's adapter, stream token ids): the logic is
-python_backend/decode_model.py."""
+python_backend/triton/decode_model.py."""
 
 import json
 
 import triton_python_backend_utils as pb
 
-from python_backend.decode_model import DecodeModel
+from python_backend.triton.decode_model import DecodeModel
 
 
 class TritonPythonModel:

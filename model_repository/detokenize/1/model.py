@@ -1,10 +1,10 @@
-"""The text a decode response adds: the logic is python_backend/detokenize_model.py."""
+"""The text a decode response adds: the logic is python_backend/triton/detokenize_model.py."""
 
 import json
 
 import triton_python_backend_utils as pb
 
-from python_backend.detokenize_model import DetokenizeModel
+from python_backend.triton.detokenize_model import DetokenizeModel
 
 
 class TritonPythonModel:

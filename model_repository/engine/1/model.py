@@ -1,12 +1,12 @@
-"""The whole turn on resident conversations, batched: the stub's side is python_backend/engine_model.py, the engine
-itself runs in a core process of its own (python_backend/engine_core.py)."""
+"""The whole turn on resident conversations, batched: the stub's side is python_backend/triton/engine_model.py, the engine
+itself runs in a core process of its own (python_backend/core/engine_core.py)."""
 
 import json
 
 import triton_python_backend_utils as pb
 
-from python_backend.engine_model import CoreFailed, EngineModel
-from python_backend.settings import triton_parameters
+from python_backend.triton.engine_model import CoreFailed, EngineModel
+from python_backend.core.settings import triton_parameters
 
 
 class TritonPythonModel:

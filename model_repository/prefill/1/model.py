@@ -1,11 +1,11 @@
 """The adapter-free stage (H19 pooled for the router, the state for decode): the logic is
-python_backend/prefill_model.py."""
+python_backend/triton/prefill_model.py."""
 
 import json
 
 import triton_python_backend_utils as pb
 
-from python_backend.prefill_model import PrefillModel
+from python_backend.triton.prefill_model import PrefillModel
 
 
 class TritonPythonModel:

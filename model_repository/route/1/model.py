@@ -1,11 +1,11 @@
 """tokenize -> prefill (route-only) -> router through BLS, for a client that routes for itself: the logic is
-python_backend/route_model.py."""
+python_backend/triton/route_model.py."""
 
 import json
 
 import triton_python_backend_utils as pb
 
-from python_backend.route_model import RouteModel
+from python_backend.triton.route_model import RouteModel
 
 
 class TritonPythonModel:

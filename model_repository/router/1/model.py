@@ -1,10 +1,10 @@
-"""MoL2 routing on pooled H19, the decision written into the transfer: the logic is python_backend/router_model.py."""
+"""MoL2 routing on pooled H19, the decision written into the transfer: the logic is python_backend/triton/router_model.py."""
 
 import json
 
 import triton_python_backend_utils as pb
 
-from python_backend.router_model import RouterModel
+from python_backend.triton.router_model import RouterModel
 
 
 class TritonPythonModel:

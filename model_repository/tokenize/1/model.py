@@ -1,10 +1,10 @@
-"""text_input -> token ids of the user's text: the logic is python_backend/tokenize_model.py."""
+"""text_input -> token ids of the user's text: the logic is python_backend/triton/tokenize_model.py."""
 
 import json
 
 import triton_python_backend_utils as pb
 
-from python_backend.tokenize_model import TokenizeModel
+from python_backend.triton.tokenize_model import TokenizeModel
 
 
 class TritonPythonModel:

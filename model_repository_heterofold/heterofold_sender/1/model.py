@@ -5,7 +5,7 @@ import json
 import triton_python_backend_utils as pb
 
 from heterofold.serving import Sender, Settings, sender_execute
-from python_backend.triton_io import Outputs
+from python_backend.triton.triton_io import Outputs
 
 
 class TritonPythonModel:

@@ -1,0 +1,40 @@
+"""A request's values as the engine receives them (numpy arrays keyed by input name, from a Triton model or the
+engine core's pipe): read one by one, each refusal a RequestError naming the input. No Triton here: the core reads
+the same inputs in a process of its own."""
+
+from __future__ import annotations
+
+
+class RequestError(ValueError):
+    """A request the server refuses; the message goes back to the client."""
+
+
+def as_text(value, name: str) -> str | None:
+    if value is None or value.size == 0:
+        return None
+    if value.size != 1:
+        raise ValueError(f"{name} must hold one string, got shape {value.shape}")
+    item = value.reshape(-1)[0]
+    if not isinstance(item, bytes):
+        return str(item)
+    try:
+        return item.decode("utf-8")
+    except UnicodeDecodeError as error:  # a lone surrogate arrives so too (CESU bytes such as ED A0 80)
+        raise RequestError(f"{name} is not valid UTF-8 text: {error.reason} at byte {error.start} "
+                           f"({item[error.start:error.start + 3].hex(' ')})") from None
+
+
+def text_size(value) -> int:
+    """The bytes of a one-string input, read without decoding it (0 when absent): sizes are checked first."""
+    if value is None or value.size != 1:
+        return 0
+    item = value.reshape(-1)[0]
+    return len(item) if isinstance(item, bytes) else len(str(item).encode("utf-8", "surrogatepass"))
+
+
+def as_scalar(value, name: str, kind: type, default):
+    if value is None or value.size == 0:
+        return default
+    if value.size != 1:
+        raise ValueError(f"{name} must hold one value, got shape {value.shape}")
+    return kind(value.reshape(-1)[0])

@@ -1,0 +1,56 @@
+"""What a Triton model that runs the CED model builds in `initialize` from its settings (python_backend/core/settings.py):
+the engine, the conversation store, the tokenizer and the adapter-set watcher."""
+
+from __future__ import annotations
+
+import faulthandler
+from dataclasses import dataclass
+
+import torch
+
+from ced.engine import CEDEngine
+from ced.engines import make_engine
+from ced.tokenization import ChatTokenizer
+
+from .adapter_set import AdapterSetWatcher, sync_registry
+from .settings import ServingSettings
+from .store import ConversationStore
+
+
+def start_model_process(settings: ServingSettings) -> None:
+    """What every model process that runs torch sets first."""
+    faulthandler.enable(all_threads=True)  # a model process that crashes leaves its Python stacks in the log
+    torch.set_num_threads(settings.threads)
+
+
+@dataclass
+class Served:
+    """What a stage needs: the engine (adapters synced to the set), the store, the tokenizer, the set watcher."""
+
+    settings: ServingSettings
+    engine: CEDEngine
+    store: ConversationStore
+    tokenizer: ChatTokenizer
+    watcher: AdapterSetWatcher
+    fingerprints: dict
+    load_errors: dict  # adapter name -> why it is in the set but not loaded
+
+    @classmethod
+    def open(cls, settings: ServingSettings, with_adapters: bool = True) -> "Served":
+        """`with_adapters=False`: the torch engine gets no LoRA slots (the adapter-free prefill stage never runs
+        one); an exported engine keeps them, as its graphs take the LoRA inputs whatever the stage."""
+        start_model_process(settings)
+        slots = settings.max_adapters if with_adapters or settings.engine != "torch" else 0
+        engine = make_engine(settings.engine, settings.model_dir, slots, settings.max_rank, settings.engine_dir,
+                             settings.threads)
+        served = cls(settings, engine, settings.open_store(engine.config),
+                     ChatTokenizer(settings.model_dir), AdapterSetWatcher(settings.adapter_set), {}, {})
+        if with_adapters:
+            sync_registry(engine.adapters, served.watcher.current, served.fingerprints, served.load_errors)
+        return served
+
+    def refresh(self) -> list[str]:
+        """Take a changed adapter-set file (live configuration): load, replace or unload adapters."""
+        if self.watcher.poll():
+            return sync_registry(self.engine.adapters, self.watcher.current, self.fingerprints, self.load_errors)
+        return []

@@ -1,0 +1,330 @@
+"""The FastAPI app: OpenAI's chat / completions / models endpoints, vLLM's adapter management, Prometheus metrics.
+
+Bodies are read raw and validated by the models of schema.py, so every client mistake (malformed JSON, a field of
+the wrong type or out of range, an unknown model) gets OpenAI's error shape with a 4xx code, never FastAPI's 422.
+What a request may cost is bounded before it costs it: a body over max_body_bytes is refused while it is read (413),
+JSON nested deeper than max_json_depth before it is parsed, and a prompt whose UTF-8 bytes cannot fit in
+max_prompt_tokens (at most the tokenizer's longest token per token) before the engine tokenizes it. A streamed
+answer's backlog is bounded too (streaming.py). Anything unexpected is a 500, logged with its traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ced.tokenization import ChatTokenizer
+
+from ..guard import GuardLimits
+from ...core.limits import LimitError, Limits
+from ...core.settings import ServingSettings
+from . import openapi
+from .adapters import AdapterManager
+from .engine_client import EngineClient, EngineRequest
+from .generation import Generation
+from .metrics import SERVED, Metrics
+from .schema import (APIError, ChatCompletionRequest, CompletionRequest, LoadAdapterRequest, UnloadAdapterRequest,
+                     parse_body)
+from .streaming import EventStream, sse
+
+AUTO = "auto"  # routed by MoL2 inside the engine
+log = logging.getLogger("mol2.openai")
+
+
+@dataclass(frozen=True)
+class OpenAISettings:
+    """Where the engine is and what it serves. A field left None is resolved as the engine model resolves its own
+    settings (ServingSettings.from_parameters on its config.pbtxt parameters and this process's MOL2_* variables:
+    what `mol2 serve` hands both), so the front end offers the adapters the engine serves."""
+
+    grpc_url: str  # the Triton server's gRPC endpoint, HOST:PORT
+    model_dir: Path | None = None  # the served model (its config: shapes for the adapter checks, max_context)
+    adapter_set: Path | None = None  # the adapter-set file the engine watches
+    adapters_root: Path | None = None  # where lora_path may point; default: adapters/ beside the adapter set
+    max_adapters: int | None = None
+    max_rank: int | None = None
+    max_prompt_tokens: int | None = None  # None: the engine's (its config parameter, else MOL2_MAX_PROMPT_TOKENS)
+    max_body_bytes: int = GuardLimits.max_body_bytes  # a body over it: 413, refused as it is read
+    max_json_depth: int = GuardLimits.max_json_depth  # JSON nested deeper: 400 before it is parsed
+    max_unsent_bytes: int = 1 << 20  # a stream's events a slow client has not taken: past it the stream is cut
+    # each connection's SO_SNDBUF (the kernel doubles it): small, so a slow client's backlog waits where
+    # max_unsent_bytes sees it, not in a kernel buffer autotuned up to 4 MiB; None: the kernel's default
+    send_buffer_bytes: int | None = 64 << 10
+
+
+def resolve_model(name: str, manager: AdapterManager) -> str | None:
+    """The request's `model` -> the engine's `adapter` input: a name of the set, "base", or None (routed)."""
+    if name == AUTO:
+        return None
+    if name == SERVED:
+        return "base"
+    adapter = name.removeprefix(f"{SERVED}:")  # SGLang / LoRAX style: BASE_MODEL:ADAPTER
+    if manager.current().by_name(adapter) is not None:
+        return adapter
+    offered = ", ".join([SERVED, AUTO, *(a.name for a in manager.current().adapters)])
+    raise APIError(404, f"the model {name!r} does not exist; this server offers: {offered}", "model",
+                   "model_not_found")
+
+
+def _engine_request(body, adapter: str | None, **text) -> EngineRequest:
+    return EngineRequest(adapter=adapter, max_tokens=body.token_limit, temperature=body.temperature,
+                         top_p=body.top_p, top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos, **text)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused (413) as soon as it is known to be over `limit` bytes: by its Content-Length
+    before any of it is read, else once the bytes read pass it. What the client still sends is discarded by uvicorn
+    as it arrives, never kept."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body is {int(declared):,} bytes, over this server's limit of {limit:,} "
+                            "bytes (max_body_bytes)", None, "request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"the request body is over this server's limit of {limit:,} bytes (max_body_bytes)",
+                           None, "request_too_large")
+    return bytes(body)
+
+
+@dataclass(frozen=True)
+class PromptBound:
+    """What a prompt may weigh before the engine tokenizes it: a text of N UTF-8 bytes is at least N /
+    token_bytes tokens (no token stands for more bytes: ChatTokenizer.max_token_bytes, the engine's own bound), so
+    one over max_prompt_tokens x token_bytes cannot fit and is refused without tokenizing it."""
+
+    limits: Limits
+    token_bytes: int
+
+    def check(self, field: str, texts: list[str]) -> None:
+        size = sum(len(text) if text.isascii() else len(text.encode("utf-8")) for text in texts)
+        try:
+            self.limits.check_text(field, size, self.token_bytes)
+        except LimitError as error:
+            raise APIError(400, str(error), field, "context_length_exceeded") from None
+
+
+class Unexpected:
+    """Whatever no handler expected: a 500 in OpenAI's shape, logged once with the request and its traceback.
+    (Starlette's own catch-all would answer and then re-raise it for uvicorn to log again, without the request.)
+    Once an answer has started its status cannot change: the connection is cut, so the client sees it unfinished."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as error:  # noqa: BLE001 - the point of this middleware
+            log.error("%s %s failed: %s: %s", scope["method"], scope["path"], type(error).__name__, error,
+                      exc_info=error)
+            if not started:
+                answer = APIError(500, f"{type(error).__name__}: {error} (logged)", code="internal_error")
+                await JSONResponse(answer.body(), status_code=500)(scope, receive, send)
+            # else: returning unfinished makes uvicorn close the connection
+
+
+def create_app(settings: OpenAISettings) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine = EngineClient(settings.grpc_url)
+        try:
+            await engine.connect()
+            served = ServingSettings.from_parameters(engine.parameters)
+            app.state.model_dir = Path(settings.model_dir or served.model_dir)
+            adapter_set = Path(settings.adapter_set or served.adapter_set)
+            max_adapters = settings.max_adapters or served.max_adapters
+            root = Path(settings.adapters_root) if settings.adapters_root else adapter_set.parent / "adapters"
+            app.state.adapters = AdapterManager(adapter_set, root, app.state.model_dir, max_adapters,
+                                                settings.max_rank or served.max_rank)
+            limits = served.limits if settings.max_prompt_tokens is None else \
+                dataclasses.replace(served.limits, max_prompt_tokens=settings.max_prompt_tokens)
+            app.state.prompt_bound = PromptBound(limits, ChatTokenizer(app.state.model_dir).max_token_bytes)
+        except Exception as error:
+            app.state.startup_error = error  # uvicorn only logs it; OpenAIServer.start reports it
+            await engine.close()
+            raise
+        app.state.engine = engine
+        app.state.metrics = Metrics(max_adapters)
+        app.state.created = int(time.time())
+        try:
+            yield
+        finally:
+            await engine.close()
+
+    app = FastAPI(title="mol2 OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError):
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def request_validation(request: Request, error: RequestValidationError):
+        first = error.errors()[0] if error.errors() else {"msg": str(error), "loc": ()}
+        param = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or None
+        return JSONResponse(APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param,
+                                     "invalid_value").body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException):
+        message = (f"no route {request.method} {request.url.path} (see GET /v1/models; the endpoints are "
+                   "/v1/chat/completions, /v1/completions, /v1/models, /v1/load_lora_adapter, "
+                   "/v1/unload_lora_adapter, /metrics)") if error.status_code in (404, 405) else str(error.detail)
+        return JSONResponse(APIError(error.status_code, message, code="not_found").body(),
+                            status_code=error.status_code)
+
+    app.add_middleware(Unexpected)
+
+    async def parsed(request: Request, model):
+        return parse_body(model, await read_body(request, settings.max_body_bytes), settings.max_json_depth)
+
+    # -- generation -----------------------------------------------------------------------------------------------
+
+    @app.post("/v1/chat/completions", openapi_extra=openapi.request_body(ChatCompletionRequest),
+              responses=openapi.errors(400, 404, 413, 500, 503, 507))
+    async def chat_completions(request: Request):
+        body = await parsed(request, ChatCompletionRequest)
+        app.state.prompt_bound.check("messages", [message.text() for message in body.messages])
+        adapter = resolve_model(body.model, app.state.adapters)
+        generation = Generation(app.state.engine, app.state.metrics,
+                                _engine_request(body, adapter, messages=body.engine_messages()), body.stops, body.model)
+        await generation.start()
+        answer_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if not body.stream:
+            text = await generation.text()
+            return {"id": answer_id, "object": "chat.completion", "created": created, "model": generation.model,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                                 "finish_reason": generation.finish_reason}],
+                    "usage": generation.usage(), "system_fingerprint": None}
+
+        def chunk(delta: dict, finish_reason: str | None = None) -> str:
+            payload = {"id": answer_id, "object": "chat.completion.chunk", "created": created,
+                       "model": generation.model,
+                       "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            if body.include_usage:
+                payload["usage"] = None
+            return sse(payload)
+
+        async def events():
+            yield chunk({"role": "assistant", "content": ""})
+            async with contextlib.aclosing(generation.pieces()) as pieces:  # closed with the stream: cancels
+                async for piece in pieces:
+                    yield chunk({"content": piece})
+            yield chunk({}, generation.finish_reason)
+            if body.include_usage:
+                yield sse({"id": answer_id, "object": "chat.completion.chunk", "created": created,
+                           "model": generation.model, "choices": [], "usage": generation.usage()})
+
+        return EventStream(_guarded(events()), answer_id, settings.max_unsent_bytes)
+
+    @app.post("/v1/completions", openapi_extra=openapi.request_body(CompletionRequest),
+              responses=openapi.errors(400, 404, 413, 500, 503, 507))
+    async def completions(request: Request):
+        body = await parsed(request, CompletionRequest)
+        app.state.prompt_bound.check("prompt", [body.prompt])
+        adapter = resolve_model(body.model, app.state.adapters)
+        generation = Generation(app.state.engine, app.state.metrics,
+                                _engine_request(body, adapter, prompt=body.prompt), body.stops, body.model)
+        await generation.start()
+        answer_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def choice(text: str, finish_reason: str | None) -> dict:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+        if not body.stream:
+            text = await generation.text()
+            return {"id": answer_id, "object": "text_completion", "created": created, "model": generation.model,
+                    "choices": [choice(text, generation.finish_reason)], "usage": generation.usage(),
+                    "system_fingerprint": None}
+
+        def chunk(choices: list, usage: dict | None = None) -> str:
+            payload = {"id": answer_id, "object": "text_completion", "created": created, "model": generation.model,
+                       "choices": choices}
+            if body.include_usage:
+                payload["usage"] = usage
+            return sse(payload)
+
+        async def events():
+            async with contextlib.aclosing(generation.pieces()) as pieces:  # closed with the stream: cancels
+                async for piece in pieces:
+                    yield chunk([choice(piece, None)])
+            yield chunk([choice("", generation.finish_reason)])
+            if body.include_usage:
+                yield chunk([], generation.usage())
+
+        return EventStream(_guarded(events()), answer_id, settings.max_unsent_bytes)
+
+    # -- models and adapters --------------------------------------------------------------------------------------
+
+    @app.get("/v1/models", responses=openapi.errors(500))
+    async def models():
+        manager: AdapterManager = app.state.adapters
+        created = app.state.created
+
+        def card(name: str, parent: str | None, root: str) -> dict:
+            return {"id": name, "object": "model", "created": created, "owned_by": "mol2", "root": root,
+                    "parent": parent, "max_model_len": manager.max_context}
+
+        cards = [card(SERVED, None, str(app.state.model_dir)), card(AUTO, SERVED, "routed by MoL2")]
+        cards += [card(entry.name, SERVED, entry.path) for entry in manager.current().adapters]
+        return {"object": "list", "data": cards}
+
+    @app.post("/v1/load_lora_adapter", openapi_extra=openapi.request_body(LoadAdapterRequest),
+              responses=openapi.errors(400, 413, 500))
+    async def load_lora_adapter(request: Request):
+        body = await parsed(request, LoadAdapterRequest)
+        # off the event loop: the checks read the adapter's weights while other requests stream
+        await asyncio.to_thread(app.state.adapters.load, body.lora_name, body.lora_path, body.description)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", openapi_extra=openapi.request_body(UnloadAdapterRequest),
+              responses=openapi.errors(400, 404, 413, 500))
+    async def unload_lora_adapter(request: Request):
+        body = await parsed(request, UnloadAdapterRequest)
+        await asyncio.to_thread(app.state.adapters.unload, body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(app.state.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    openapi.install(app, [ChatCompletionRequest, CompletionRequest, LoadAdapterRequest, UnloadAdapterRequest])
+    return app
+
+
+async def _guarded(events):
+    """An error after the first byte cannot change the HTTP status: it goes out as an error event (as vLLM
+    does), and the stream ends with [DONE] either way. Closing this closes `events` (and the engine's request)."""
+    try:
+        async with contextlib.aclosing(events):
+            async for event in events:
+                yield event
+    except APIError as error:
+        yield sse(error.body())
+    yield sse("[DONE]")

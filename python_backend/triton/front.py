@@ -1,0 +1,180 @@
+"""The disaggregated relay: a prefill server that prefills and routes a turn through BLS (python_backend/triton/bls.py),
+hands decode to another Triton server over gRPC and keeps the conversation's one stored copy.
+
+`pb` (triton_python_backend_utils) is passed in, so the logic is tested without a server.
+"""
+
+from __future__ import annotations
+
+import queue
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .bls import Call, prefill_request, route_request, text_array
+from ..core.delta_transfer import BASE_REFUSED, DELTA, Count, Outgoing, RelayTransfers, no_count
+from ..core.seal import DECODE, RETURNED, Sealer, decode_fields, returned_fields
+from ..core.stages import commit_turn
+from ..core.store import ConversationStore, check_id
+from ..core.transfer import TransferError
+from .triton_io import RequestError
+
+# The request fields a relay passes on to decode unchanged, with the dtypes decode's config declares.
+PASSED_ON = {"max_tokens": np.int32, "stream": np.bool_, "temperature": np.float32, "top_p": np.float32,
+             "top_k": np.int32, "seed": np.uint64, "end_conversation": np.bool_}
+ANSWER_OUTPUTS = ("applied_adapter", "replayed_tokens", "output_tokens", "route_scores", "conversation_id_out")
+IDS = ("_ids", "_fresh", "_last")  # what decode sends for `detokenize` to turn into text_output
+
+
+def remote_decode(url: str, model: str, inputs: dict[str, np.ndarray], timeout_s: float = 600.0) -> Iterator:
+    """Stream one request to a decode server over Triton gRPC; yields its responses (tritonclient InferResult)."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+    grpc_inputs = []
+    for name, value in inputs.items():
+        tensor = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
+        tensor.set_data_from_numpy(value)
+        grpc_inputs.append(tensor)
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    finished = False
+    try:
+        try:
+            client.start_stream(callback=lambda result, error: responses.put((result, error)))
+            client.async_stream_infer(model, grpc_inputs, enable_empty_final_response=True)
+        except InferenceServerException as error:  # the same message whichever side notices first
+            raise RequestError(f"decode server {url}: {error.message()}") from None
+        while True:
+            try:
+                result, error = responses.get(timeout=timeout_s)
+            except queue.Empty:
+                raise RequestError(f"the decode server at {url} sent nothing for {timeout_s:.0f} s") from None
+            if error is not None:
+                raise RequestError(f"decode server {url}: {error.message() if hasattr(error, 'message') else error}")
+            response = result.get_response()
+            if response.outputs:
+                yield result
+            if response.parameters["triton_final_response"].bool_param:
+                finished = True
+                return
+    finally:  # closed before the end (the client cancelled, or an error): cancel the turn on the decode server too
+        client.stop_stream(cancel_requests=not finished)
+        client.close()
+
+
+class Relay:
+    """One turn on a prefill server: prefill and route here, decode there (its ids detokenized here), the final
+    state committed here.
+
+    `send(outputs, final)` hands one response to the client. The relay holds the turn lock (an OS lock, in its
+    own process: from before prefill, or, for a new conversation, from the moment prefill names it) until the
+    state is committed (or the turn fails), exactly as on a single server. Every internal request is sealed
+    (python_backend/core/seal.py), and the state that comes back is stored only when decode's seal on it checks out.
+
+    The state travels as a delta where it can (python_backend/core/delta_transfer.py): only what the decode server
+    lacks goes, and only what the relay lacks comes back; a delta decode refuses is sent again whole, once.
+    `count(name, value, **labels)` counts the bytes and the fallbacks (Counters.count).
+    """
+
+    def __init__(self, call: Call, store: ConversationStore, router_model: str, decode_url: str, decode_model: str,
+                 sealer: Sealer, decode: Callable[..., Iterator] = remote_decode, count: Count = no_count):
+        self.call, self.store, self.router_model, self.sealer = call, store, router_model, sealer
+        self.decode_url, self.decode_model, self.decode = decode_url, decode_model, decode
+        self.transfers = RelayTransfers(store, store.config, count)
+
+    def run(self, fields: dict[str, np.ndarray], send: Callable[[dict[str, np.ndarray] | None, bool], None],
+            cancelled: Callable[[], bool] = lambda: False) -> None:
+        """`cancelled()` says the client went away: the remote turn is cancelled and nothing is stored."""
+        conversation_id = _text(fields.get("conversation_id"))
+        if conversation_id:
+            self.store.begin_turn(check_id(conversation_id))  # a second turn on it is refused until this one ends
+        try:
+            prefilled = prefill_request(self.call, self.sealer, fields["text_input"], conversation_id,
+                                        route_only=False)
+            if not conversation_id:  # a new conversation: its id exists from now (refused here at the store's limits)
+                conversation_id = _text(prefilled["_conversation_id"])
+                self.store.begin_turn(conversation_id)
+            routed = route_request(self.call, prefilled, _text(fields.get("adapter")), self.router_model, False)
+            inputs = {"_state": prefilled["_state"], "_routed_meta": routed["_routed_meta"],
+                      "_conversation_id": prefilled["_conversation_id"], "_route_scores": routed["_route_scores"],
+                      "_return_state": np.array([True])}
+            inputs.update({name: fields[name].astype(dtype).reshape(1)
+                           for name, dtype in PASSED_ON.items() if fields.get(name) is not None})
+            end = _flag(inputs.get("end_conversation"))
+            sent = self.transfers.outgoing(conversation_id, prefilled["_state"].tobytes())
+            sent, results = self._start_decode(conversation_id, inputs, sent, routed["_routed_meta"], end)
+            pending, committed = None, False
+            for result in results:
+                if cancelled():
+                    getattr(results, "close", lambda: None)()  # remote_decode cancels the remote turn on close
+                    send(None, True)
+                    return
+                state = result.as_numpy("_state_out")
+                if state is not None:
+                    self._commit(conversation_id, sent, state.tobytes(), _text(result.as_numpy("_state_seal")), end)
+                    committed = True
+                    continue
+                if pending is not None:  # one behind, so the FINAL flag rides the last answer, as decode sends it
+                    send(pending, False)
+                pending = {name: result.as_numpy(name) for name in ANSWER_OUTPUTS}
+                pending.update(self.call("detokenize", {name: result.as_numpy(name) for name in IDS}, ["text_output"]))
+            if not committed:
+                raise RequestError(f"the decode server at {self.decode_url} ended the turn without its final state")
+        finally:
+            if conversation_id:
+                self.store.end_turn(conversation_id)  # only the lock this relay took
+        send(pending, True)  # only now: a client may send the next turn the moment it has this answer
+
+    def _start_decode(self, conversation_id: str, inputs: dict[str, np.ndarray], sent: Outgoing,
+                      routed_meta: np.ndarray, end: bool) -> tuple[Outgoing, Iterator]:
+        """decode's responses to the turn, `sent` as its state; a delta refused for its base (decode restarted,
+        evicted it, or holds another turn) goes again whole. The refusal comes before any answer."""
+        length, adapter_hash = (int(v) for v in routed_meta.reshape(-1))
+        while True:
+            inputs["_state"] = np.frombuffer(sent.data, np.uint8)
+            inputs["_seal"] = text_array(self.sealer.seal(DECODE, **decode_fields(
+                conversation_id, length, adapter_hash, sent.data, True, end)))
+            results = self.decode(self.decode_url, self.decode_model, inputs)
+            try:
+                first = next(results)
+            except StopIteration:
+                return sent, iter(())
+            except (RequestError, TransferError) as error:
+                if sent.kind != DELTA or BASE_REFUSED not in str(error):
+                    raise
+                sent = self.transfers.whole(sent)
+                continue
+            return sent, _prepend(first, results)
+
+    def _commit(self, conversation_id: str, sent: Outgoing, returned: bytes, seal: str | None, end: bool) -> None:
+        """Store the turn's final state, from decode's sealed answer (a delta on what was sent, or whole); the
+        relay then knows which state decode holds for the next turn's delta."""
+        try:
+            self.sealer.check(RETURNED, seal, **returned_fields(conversation_id, returned))
+            state, version = self.transfers.incoming(sent, returned)
+            commit_turn(self.store, conversation_id, state, end)
+        except BaseException:
+            self.transfers.forget(conversation_id)
+            raise
+        self.transfers.remember(conversation_id, "" if end else version, state)
+
+
+def _prepend(first, rest: Iterator) -> Iterator:
+    """`first`, then the rest; closing it closes `rest` (remote_decode then cancels the remote turn)."""
+    try:
+        yield first
+        yield from rest
+    finally:
+        getattr(rest, "close", lambda: None)()
+
+
+def _text(value: np.ndarray | None) -> str | None:
+    if value is None or value.size == 0:
+        return None
+    item = value.reshape(-1)[0]
+    return (item.decode("utf-8") if isinstance(item, bytes) else str(item)) or None
+
+
+def _flag(value: np.ndarray | None) -> bool:
+    return bool(value is not None and value.size and value.reshape(-1)[0])

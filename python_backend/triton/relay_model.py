@@ -1,0 +1,58 @@
+"""The relay Triton model that stands in for a `mol2*` ensemble on a disaggregated prefill server (decoupled; its
+model.py is python_backend/triton/templates/relay_model.py, copied in by `mol2 serve --role prefill`): each turn runs
+python_backend/triton/front.py's Relay in a thread of its own, since it waits on the decode server. `pb` is passed in, so
+it is tested without a server."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from ced.model import CEDForCausalLM
+
+from .bls import bls_call
+from .front import PASSED_ON, Relay
+from .metrics import Counters
+from ..core.seal import Sealer
+from ..core.settings import ServingSettings, triton_parameters
+from .triton_io import Outputs, failure_response, optional, require_decoupled, requested_outputs, response
+
+FIELDS = ("text_input", "conversation_id", "adapter", *PASSED_ON)
+
+
+class RelayModel:
+    def __init__(self, pb, model_config: dict):
+        require_decoupled(pb, model_config, "relay")
+        self.pb, self.outputs = pb, Outputs(pb, model_config)
+        self.final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        parameters = triton_parameters(model_config)
+        settings = ServingSettings.from_parameters(parameters)
+        config = CEDForCausalLM.config_class.from_pretrained(settings.model_dir).ced
+        store = settings.open_store(config)  # this server's idle timeout and limits
+        self.counters = Counters(pb, "relay")  # the bytes of state on the wire, each way
+        self.relay = Relay(bls_call(pb), store, parameters["router_model"], parameters["decode_url"],
+                           parameters["decode_model"], Sealer.from_environment(), count=self.counters.count)
+        # Turns wait on the decode server: many run at once, each in its own thread.
+        self.pool = ThreadPoolExecutor(max_workers=int(parameters.get("max_turns_in_flight", "64")))
+
+    def execute(self, requests) -> None:
+        for request in requests:
+            fields = {name: optional(self.pb, request, name) for name in FIELDS}
+            fields = {name: value for name, value in fields.items() if value is not None}
+            self.pool.submit(self.serve, fields, request.get_response_sender(), requested_outputs(request))
+
+    def finalize(self) -> None:
+        self.pool.shutdown(wait=True)
+        self.counters.close()
+
+    def serve(self, fields: dict, sender, wanted: frozenset[str]) -> None:
+        def send(outputs, final):
+            flags = self.final if final else 0
+            if outputs is None:
+                sender.send(flags=flags)
+            else:
+                sender.send(response(self.pb, self.outputs.tensors(**outputs), wanted), flags=flags)
+
+        try:
+            self.relay.run(fields, send, sender.is_cancelled)
+        except Exception as error:  # noqa: BLE001 - never leave a client waiting: its request ends with a message
+            sender.send(failure_response(self.pb, error, "relay"), flags=self.final)
