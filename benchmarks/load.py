@@ -415,7 +415,8 @@ def max_gap_during(records: Sequence[Record], begin: float, end: float) -> float
 # ---------------------------------------------------------------------------------------------------------- text
 
 BOS, USER, END, ASSISTANT = "<|bos|>", "<|user|>", "<|end|>", "<|assistant|>"
-TEXT_SOURCES = ("README.md", "models/demo/README.md", "heterofold/README.md", "plugins/README.md")
+TEXT_SOURCES = ("README.md", "docs/architecture.md", "docs/serving.md", "docs/operations.md", "docs/openai_api.md",
+                "models/demo/README.md", "heterofold/README.md", "plugins/README.md")
 
 
 def user_turn(text: str, first: bool = True) -> str:

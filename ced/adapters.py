@@ -46,7 +46,7 @@ PLACEMENTS = ("decoder", "decoder+first-attention", "every-layer")
 def placement_violation(module: str, config: CEDConfig, placement: str = "decoder") -> str | None:
     """Why `module` may not carry an adapter under `placement`, or None if it may.
 
-    decoder: the FFN of the first decoder layer and any module of the later decoder layers (DESIGN §1).
+    decoder: the FFN of the first decoder layer and any module of the later decoder layers (docs/architecture.md §1).
     decoder+first-attention: also the first decoder layer's attention (unsafe; tests show what it breaks).
     every-layer: any layer (the baseline of benchmarks).
     """
@@ -282,7 +282,7 @@ class AdapterRegistry:
 
     def check(self, path: str | Path) -> PeftAdapter:
         """Everything `load` checks (format, placement, module shapes, rank), touching no slot: a front end's
-        pre-flight before it offers the adapter (python_backend/openai_api/adapters.py)."""
+        pre-flight before it offers the adapter (python_backend/server/openai_api/adapters.py)."""
         return self._validated(path)
 
     def _validated(self, path: str | Path) -> PeftAdapter:

@@ -1,4 +1,5 @@
-"""A conversation's state, split the way DESIGN §1 splits it: what every adapter shares, and what one adapter owns.
+"""A conversation's state, split the way docs/architecture.md §1 splits it: what every adapter shares, and what one
+adapter owns.
 
 The model owns no conversation state: each stage reads and appends to these small objects. Everything is a
 tensor with batch dimension 1 (one conversation); byte counts are the tensors' own sizes.

@@ -1,4 +1,5 @@
-"""MoL2: route each turn to a LoRA adapter with a pointer head on H19 (DESIGN §2), plus the two baselines it replaces.
+"""MoL2: route each turn to a LoRA adapter with a pointer head on H19 (docs/architecture.md §2), plus the two
+baselines it replaces.
 
     from mol2_router import RouteQuery, load_router
     router = load_router(demo.router_dir)       # trained head + option cache, beside the demo adapters (ced.demo)

@@ -1,5 +1,5 @@
-"""DESIGN §1's invariants on the tiny preset: source independence (bitwise), what breaks it, bounded replay,
-shared bytes that do not grow with adapters visited, and mixed-adapter batches."""
+"""docs/architecture.md §1's invariants on the tiny preset: source independence (bitwise), what breaks it, bounded
+replay, shared bytes that do not grow with adapters visited, and mixed-adapter batches."""
 
 import copy
 

@@ -17,7 +17,7 @@ SERVED = "mol2"
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 LABELS = ("model_name", "lora_name")
 
-# name -> help text; README's metrics table is this list
+# name -> help text; docs/openai_api.md's metrics table is this list
 DESCRIPTIONS = {
     "vllm:request_success_total": "requests finished, by finished_reason (stop, length)",
     "mol2_openai_request_errors_total": "requests refused or failed, by HTTP status",
