@@ -164,10 +164,11 @@ PRESETS: dict[str, dict] = {
     "demo": dict(n_layers=8, decoder_start=4, hidden_size=256, n_heads=4, head_dim=64, ffn_hidden=768,
                  window=128, block_size=8, source_layers=(1, 3, 4), index_layers=(1, 3, 4, 6), index_top_k=16,
                  index_heads=4, index_dim=32, vocab_size=8192, max_context=32768, tie_word_embeddings=True),
-    # docs/architecture.md §1's 40-layer roles. The seed gives no dimensions: these are settable placeholders
-    # (config and parameter count only; dense SwiGLU stands in for the MoE FFN). Never instantiated in CI.
-    "deepseek-v4.1-flash": dict(n_layers=40, decoder_start=20, hidden_size=4096, n_heads=64, head_dim=128,
-                                ffn_hidden=2048, window=128, block_size=4, source_layers=(2, 8, 14, 20),
-                                index_layers=(2, 8, 14, 20, 24, 28, 32, 36), index_top_k=512, index_heads=64,
-                                index_dim=128, vocab_size=129280, max_context=1048576, dtype="bfloat16"),
+    # docs/architecture.md §1's 40-layer roles on this family's components, at the seed's sizes (config and
+    # parameter count only; dense SwiGLU stands in for the MoE FFN). Never instantiated in CI. The real
+    # DeepSeek-V4.1-Flash is the `deepseek_v41` family's `deepseek-v4.1-flash` preset (ced/deepseek_v41/config.py).
+    "ced-40": dict(n_layers=40, decoder_start=20, hidden_size=4096, n_heads=64, head_dim=128, ffn_hidden=2048,
+                   window=128, block_size=4, source_layers=(2, 8, 14, 20), index_layers=(2, 8, 14, 20, 24, 28, 32, 36),
+                   index_top_k=512, index_heads=64, index_dim=128, vocab_size=129280, max_context=1048576,
+                   dtype="bfloat16"),
 }

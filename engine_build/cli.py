@@ -295,7 +295,31 @@ def _vocab_size(text: str) -> int:
     return int(text)
 
 
-DESCRIPTION = "Build the demo model (corpus, tokenizer, pretraining, adapters) and its engines (ONNX, TensorRT)."
+def _cmd_synthetic_v41(args: argparse.Namespace) -> int:
+    """A DeepSeek-V4.1 checkpoint in the release's format (ced/deepseek_v41/checkpoint.py): random weights under
+    the native names, the release's storage dtypes (FP8 with UE8M0 scales, FP4 experts packed in I8, F32, BF16),
+    several shards and the index; `mol2 inspect DIR` loads it and runs one forward."""
+    import torch
+    from tqdm import tqdm
+
+    from ced.deepseek_v41.checkpoint import expected_shapes, write_synthetic
+    from ced.deepseek_v41.config import V41Config
+
+    torch.set_num_threads(args.threads)
+    config = V41Config.from_name(args.preset)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.force:
+        raise ValueError(f"{out} is not empty (--force writes over it)")
+    with tqdm(total=len(expected_shapes(config)), unit="tensor", desc=f"synthetic {args.preset}") as bar:
+        summary = write_synthetic(out, config, seed=args.seed, max_shard_bytes=int(args.shard_mb * 2**20),
+                                  progress=bar.update)
+    print(f"{summary.parameters:,} parameters as {summary.tensors} tensors in {summary.shards} shards, "
+          f"{summary.payload_bytes:,} bytes ({summary.bytes_per_parameter:.3f} bytes/parameter) -> {out}")
+    return 0
+
+
+DESCRIPTION = ("Build the demo model (corpus, tokenizer, pretraining, adapters) and its engines (ONNX, TensorRT), or "
+               "a synthetic DeepSeek-V4.1 checkpoint in the release's format.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -393,6 +417,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-adapters", type=int, default=8, help="adapter slots (default: %(default)s)")
     g.add_argument("--max-rank", type=int, default=16, help="largest LoRA rank (default: %(default)s)")
     g.set_defaults(fn=_cmd_tensorrt)
+
+    v = sub.add_parser("synthetic-v41", help="write a random DeepSeek-V4.1 checkpoint in the release's format",
+                       description=_cmd_synthetic_v41.__doc__)
+    v.add_argument("--out", required=True, help="the model directory to write")
+    v.add_argument("--preset", default="v41-tiny", help="a V4.1 preset (default: %(default)s)")
+    v.add_argument("--seed", type=int, default=0, help="weight seed (default: %(default)s)")
+    v.add_argument("--shard-mb", type=float, default=0.25,
+                   help="largest shard in MiB (default: %(default)s, several shards at the tiny size)")
+    v.add_argument("--force", action="store_true", help="write into a non-empty directory")
+    v.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
+    v.set_defaults(fn=_cmd_synthetic_v41)
 
 
 def build_parser() -> argparse.ArgumentParser:

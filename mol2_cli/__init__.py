@@ -1,6 +1,6 @@
 """`mol2 COMMAND ...`: the one entry point. Each command belongs to its package, which adds it to the parser
-(`register` in ced/cli.py, mol2_router/cli.py, engine_build/cli.py, heterofold/cli.py; python_backend/server/cli.py for serve
-and repo; mol2_cli/bench.py for bench)."""
+(`register` in ced/cli.py, mol2_router/cli.py, engine_build/cli.py, heterofold/cli.py; python_backend/server/cli.py
+for serve and repo; mol2_cli/bench.py for bench; mol2_cli/inspect.py for inspect)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,13 @@ COMMANDS = {
     "serve": ("python_backend.server.cli:add_serve", "start the Triton server (prefill -> route -> decode)"),
     "repo": ("python_backend.server.cli:add_repo", "build the Triton model repository"),
     "router": ("mol2_router.cli:register", "the MoL2 router: data, H19 extraction, training, evaluation, benchmarks"),
-    "build": ("engine_build.cli:register", "build the demo model (corpus, tokenizer, pretraining, adapters) and its "
-                                           "engines (ONNX, TensorRT)"),
+    "build": ("engine_build.cli:register", "build the demo model (corpus, tokenizer, pretraining, adapters), its "
+                                           "engines (ONNX, TensorRT), or a synthetic DeepSeek-V4.1 checkpoint"),
     "heterofold": ("heterofold.cli:register", "HeteroFold: fit, evaluate, apply and serve KV-cache maps between "
                                               "model families"),
     "bench": ("mol2_cli.bench:register", "list the benchmarks, or run one by name"),
+    "inspect": ("mol2_cli.inspect:register", "load a model directory (any family): its parts, parameter counts and "
+                                             "one short forward; or count a preset"),
 }
 
 

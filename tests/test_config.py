@@ -10,7 +10,7 @@ from ced import CEDConfig, CEDForCausalLM, CEDPretrainedConfig, ConfigError
 def test_preset_sizes():
     assert CEDConfig.from_name("tiny").num_parameters() < 1_000_000
     assert 5_000_000 <= CEDConfig.from_name("demo").num_parameters() <= 20_000_000
-    flash = CEDConfig.from_name("deepseek-v4.1-flash")
+    flash = CEDConfig.from_name("ced-40")
     assert (flash.n_layers, flash.decoder_start, flash.window) == (40, 20, 128)
     assert flash.source_layers == (2, 8, 14, 20)
     assert flash.index_layers == (2, 8, 14, 20, 24, 28, 32, 36)

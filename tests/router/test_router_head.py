@@ -23,7 +23,7 @@ def test_paper_preset_is_about_15_25m_at_the_40_layer_hidden_size():
     from ced import CEDConfig
 
     config = RouterConfig.from_name("paper")
-    assert config.hidden_size == CEDConfig.from_name("deepseek-v4.1-flash").hidden_size
+    assert config.hidden_size == CEDConfig.from_name("ced-40").hidden_size
     assert abs(config.num_parameters() - 15.25e6) / 15.25e6 < 0.01
 
 

@@ -1,0 +1,143 @@
+"""LoRA adapters for the `deepseek_v41` family on the release's native module names, and their placement rule.
+
+Adapters are read in PEFT's on-disk format by `ced.adapters.read_peft_adapter` (keys
+`base_model.model.<module>.lora_A.weight` ...), with `<module>` a native name such as `layers.21.attn.wq_a`,
+`layers.20.ffn.shared_experts.w1` or `layers.30.ffn.experts.7.w2` (a leading `model.` is accepted and dropped).
+
+The rule (docs/architecture.md §1, the paper's placement): nothing in layers 0..E-1; nothing in layer E's
+attention (its compressor, indexer and `wq_a`, which feeds the candidate queries, all write adapter-free state);
+layer E's `ffn` allowed; any adaptable module of layers E+1..L-1; `mtp.*` (DSpark) refused. Adaptable modules are
+`attn.{wq_a,wq_b,wkv,wo_a,wo_b}`, `ffn.shared_experts.{w1,w2,w3}` and `ffn.experts.N.{w1,w2,w3}`.
+
+LoRA is applied from outside the model (`attach_lora` wraps those Linears, keeping their parameter names, so the
+model's `state_dict()` does not change); `V41AdapterSet.use(name)` picks the adapter every wrapped module adds
+for the next calls (one adapter per call: this reference path does not mix adapters within a batch).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..adapters import AdapterError, PeftAdapter, PlacementError, UnknownAdapterError, read_peft_adapter
+from .config import V41Config
+from .model import DeepseekV41ForCausalLM, GroupedLinear
+
+_LAYER = re.compile(r"^layers\.(?P<layer>\d+)\.(?P<rest>.+)$")
+_ADAPTABLE = re.compile(r"^(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)"
+                        r"|ffn\.shared_experts\.(w1|w2|w3)|ffn\.experts\.\d+\.(w1|w2|w3))$")
+
+
+def native_name(module: str) -> str:
+    """The native name of a PEFT module path (`model.layers.3...` -> `layers.3...`)."""
+    return module.removeprefix("model.")
+
+
+def placement_violation(module: str, config: V41Config) -> str | None:
+    """Why `module` (a native name) may not carry an adapter, or None if it may."""
+    module = native_name(module)
+    E = config.decoder_start
+    if module.startswith("mtp."):
+        return (f"module {module!r} is a DSpark draft layer: rule 'mtp.* is never adapted' (the drafter proposes "
+                "for every adapter; vLLM skips 'mtp.' likewise)")
+    match = _LAYER.match(module)
+    if match is None:
+        return (f"module {module!r} is not inside a backbone layer: rule 'embed, head, norm and vision are shared "
+                "by every adapter'")
+    layer, rest = int(match["layer"]), match["rest"]
+    if layer >= config.num_hidden_layers:
+        return f"module {module!r}: layer {layer} does not exist (num_hidden_layers={config.num_hidden_layers})"
+    if layer < E:
+        return (f"module {module!r} is in encoder layer {layer}: rule 'nothing in layers 0..{E - 1}' (the encoder "
+                "writes the history every adapter shares)")
+    if layer == E and rest.startswith("attn."):
+        return (f"module {module!r} is in the first decoder layer's attention (layer {E}): rule 'nothing in layer "
+                f"{E}'s attention' (its compressor, indexer and wq_a write the global KV, indexer keys and candidate "
+                "pool the decoder shares); only that layer's ffn may carry an adapter")
+    if not _ADAPTABLE.match(rest):
+        return (f"module {module!r} is not adaptable: rule 'LoRA applies to attn.{{wq_a,wq_b,wkv,wo_a,wo_b}}, "
+                "ffn.shared_experts.{w1,w2,w3} and ffn.experts.N.{w1,w2,w3}'")
+    return None
+
+
+class LoRALinear(nn.Module):
+    """A Linear (or GroupedLinear) plus the active adapter's low-rank delta. Keeps the base's `weight` under its
+    own name; the adapters live outside the state dict."""
+
+    def __init__(self, base: nn.Linear):
+        super().__init__()
+        self.base = [base]  # in a list: not a submodule, so the parameter names stay `<module>.weight`
+        self.weight = base.weight
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.groups = base.groups if isinstance(base, GroupedLinear) else None
+        self.adapters: dict[str, tuple[Tensor, Tensor]] = {}  # name -> A (r, in), B scaled (out, r)
+        self.active: str | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.base[0](x)
+        if self.active not in self.adapters:
+            return y
+        a, b = self.adapters[self.active]
+        down = F.linear(x, a.to(x.dtype))  # (..., r), or (..., G, r) for a grouped linear
+        if self.groups is None:
+            return y + F.linear(down, b.to(x.dtype))
+        # block g of the delta B A is B's rows of group g times A: each group meets its own rows of B
+        return y + torch.einsum("...gr,gor->...go", down, b.to(x.dtype).view(self.groups, -1, b.shape[1]))
+
+
+def attach_lora(model: DeepseekV41ForCausalLM) -> dict[str, LoRALinear]:
+    """Wrap every module the placement rule allows; returns them by native name."""
+    wrapped = {}
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and placement_violation(name, model.config) is None:
+            parent_name, _, child = name.rpartition(".")
+            wrapped[name] = LoRALinear(module)
+            setattr(model.get_submodule(parent_name), child, wrapped[name])
+    return wrapped
+
+
+class V41AdapterSet:
+    """name -> adapter, installed into every wrapped module; `use(name)` selects the adapter of the next calls."""
+
+    def __init__(self, model: DeepseekV41ForCausalLM):
+        self.model, self.config = model, model.config
+        self.modules = attach_lora(model)
+        self.names: dict[str, PeftAdapter] = {}
+
+    def check(self, path: str | Path) -> PeftAdapter:
+        """Read and validate an adapter (format, placement, shapes) without installing it."""
+        adapter = read_peft_adapter(path)
+        for module, (a, b) in adapter.weights.items():
+            reason = placement_violation(module, self.config)
+            if reason is not None:
+                raise PlacementError(f"{adapter.path}: refused: {reason}")
+            target = self.modules.get(native_name(module))
+            if target is None:
+                raise AdapterError(f"{adapter.path}: module {module!r} does not exist in this model")
+            out = target.out_features // (target.groups or 1)
+            if a.shape[1] != target.in_features or b.shape[0] != target.out_features:
+                raise AdapterError(f"{adapter.path}: module {module!r} expects A (r, {target.in_features}) and "
+                                   f"B ({target.out_features}, r), got {tuple(a.shape)} and {tuple(b.shape)}"
+                                   + (f" (a grouped projection: {target.groups} groups of {out} rows)"
+                                      if target.groups else ""))
+        return adapter
+
+    def load(self, name: str, path: str | Path) -> PeftAdapter:
+        if name in self.names:
+            raise AdapterError(f"adapter {name!r} is already loaded (from {self.names[name].path})")
+        adapter = self.check(path)
+        for module, (a, b) in adapter.weights.items():
+            self.modules[native_name(module)].adapters[name] = (a, b)
+        self.names[name] = adapter
+        return adapter
+
+    def use(self, name: str | None) -> None:
+        """Every wrapped module adds `name`'s delta from now on (None: the base model)."""
+        if name is not None and name not in self.names:
+            raise UnknownAdapterError(f"unknown adapter {name!r} (loaded: {', '.join(sorted(self.names)) or 'none'})")
+        for module in self.modules.values():
+            module.active = name
