@@ -38,11 +38,12 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from ced.batched import BatchedEngine
-from ced.engine import SamplingParams
 from ced.tokenization import check_messages
 
 from .adapter_set import sync_registry
 from .detokenize import check_ids
+from .inputs import RequestError, as_scalar, as_text, generation, text_size
+from .limits import check_context
 from .routing import load_scorer
 from .scheduler import CancelledTurn, Scheduler, Turn
 from .server_errors import ENGINE_FAILED, STATE_DAMAGED, STORAGE_FULL
@@ -50,7 +51,6 @@ from .serving import Served
 from .settings import ServingSettings
 from .stages import BASE_NAME, DecodeStage, RouterStage
 from .store import StoreDamaged, check_id
-from .inputs import RequestError, as_scalar, as_text, text_size
 
 log = logging.getLogger("mol2.engine")
 
@@ -154,11 +154,7 @@ class EngineCore:
         check_ids(text_ids, self.served.engine.config.vocab_size, "_text_ids")  # a client may send ids directly
         if prompt is None and not text_ids:
             raise RequestError("text_input is empty")
-        max_tokens = get("max_tokens", int, 64)
-        if not 1 <= max_tokens <= 4096:
-            raise RequestError(f"max_tokens must be between 1 and 4096, got {max_tokens}")
-        sampling = SamplingParams(temperature=get("temperature", float, 0.0), top_k=get("top_k", int, 0),
-                                  top_p=get("top_p", float, 1.0), seed=get("seed", int, None))
+        max_tokens, sampling = generation(get)
         explicit = as_text(inputs.get("adapter"), "adapter")
         adapter_set = self.served.watcher.current
         if explicit:
@@ -318,9 +314,7 @@ class SerialTurns:
         tokens = turn.prompt if turn.stateless else served.tokenizer.user_turn(turn.text_ids, first=state.length == 0)
         turn.tokens = tokens
         served.store.limits.check_prompt(len(tokens))  # max_prompt_tokens (python_backend/core/limits.py)
-        if state.length + len(tokens) >= served.engine.config.max_context:
-            raise RequestError(f"the conversation would reach {state.length + len(tokens)} tokens, over the "
-                               f"context limit of {served.engine.config.max_context}")
+        check_context(state.length, len(tokens), served.engine.config.max_context)
         h19 = served.engine.prefill(state, tokens)
         skip = turn.route_start if turn.stateless else 1 if turn.new and served.tokenizer.trained else 0
         turn.decision = turn.route(None if turn.explicit else h19[skip:].mean(0))

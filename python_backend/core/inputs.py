@@ -4,6 +4,8 @@ the same inputs in a process of its own."""
 
 from __future__ import annotations
 
+MAX_NEW_TOKENS = 4096  # one request's new tokens, at most
+
 
 class RequestError(ValueError):
     """A request the server refuses; the message goes back to the client."""
@@ -38,3 +40,15 @@ def as_scalar(value, name: str, kind: type, default):
     if value.size != 1:
         raise ValueError(f"{name} must hold one value, got shape {value.shape}")
     return kind(value.reshape(-1)[0])
+
+
+def generation(get):
+    """`max_tokens` (1..MAX_NEW_TOKENS, default 64) and the sampling settings (greedy by default) of a request,
+    read through `get(name, kind, default)`: the one place both are parsed, whichever model receives the turn."""
+    from ced.engine import SamplingParams  # here: the models that import this module without generating have no torch
+
+    max_tokens = get("max_tokens", int, 64)
+    if not 1 <= max_tokens <= MAX_NEW_TOKENS:
+        raise RequestError(f"max_tokens must be between 1 and {MAX_NEW_TOKENS}, got {max_tokens}")
+    return max_tokens, SamplingParams(temperature=get("temperature", float, 0.0), top_k=get("top_k", int, 0),
+                                      top_p=get("top_p", float, 1.0), seed=get("seed", int, None))

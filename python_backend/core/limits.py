@@ -59,6 +59,13 @@ class Limits:
                              "end (end_conversation) or expire")
 
 
+def check_context(length: int, adding: int, limit: int) -> None:
+    """A conversation of `length` tokens may take `adding` more only below the model's context (max_context): the
+    last position is kept for the first generated token."""
+    if length + adding >= limit:
+        raise LimitError(f"the conversation would reach {length + adding} tokens, over the context limit of {limit}")
+
+
 def parse_size(text: str | int) -> int:
     """Bytes from "8589934592", "8G", "512MiB", "1.5g" (powers of 1024)."""
     if isinstance(text, int):

@@ -42,8 +42,9 @@ from ced.paged import Resident
 from ced.prefix_cache import CachedPrefix, PrefixCache
 from ced.tokenization import ChatTokenizer
 
-from .stages import RouteDecision
 from .inputs import RequestError
+from .limits import check_context
+from .stages import RouteDecision
 from .store import ConversationStore
 
 log = logging.getLogger(__name__)
@@ -243,10 +244,7 @@ class Scheduler:
         turn.row, turn.start_length = row, row.length
         if not (turn.stateless or turn.new):
             self.store.limits.check_prompt(len(turn.tokens))
-        limit = self.engine.config.max_context
-        if row.length + len(turn.tokens) >= limit:
-            raise RequestError(f"the conversation would reach {row.length + len(turn.tokens)} tokens, over the "
-                               f"context limit of {limit}")
+        check_context(row.length, len(turn.tokens), self.engine.config.max_context)
         if turn.sampling.seed is not None:
             turn.generator = torch.Generator().manual_seed(turn.sampling.seed)
 

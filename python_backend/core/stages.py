@@ -23,15 +23,16 @@ from torch import Tensor
 
 from ced.batched import BatchedEngine
 from ced.engine import CEDEngine, SamplingParams
+from ced.tokenization import ChatTokenizer
 
 from .adapter_set import AdapterSet
 from .delta_transfer import DecodeTransfers, Received
 from .detokenize import check_ids
 from .fnv import BASE
-from .store import ConversationStore
-from ced.tokenization import ChatTokenizer
-from .transfer import encode_state
 from .inputs import RequestError
+from .limits import check_context
+from .store import ConversationStore
+from .transfer import encode_state
 
 BASE_NAME = "base"  # the explicit `adapter` value that asks for no adapter
 
@@ -78,9 +79,7 @@ class PrefillStage:
         first = state.length == 0
         tokens = self.tokenizer.user_turn(text_ids, first=first)
         skip = 1 if first and self.tokenizer.trained else 0  # pool the turn without <|bos|>, as the head was trained
-        if state.length + len(tokens) >= self.engine.config.max_context:
-            raise RequestError(f"the conversation would reach {state.length + len(tokens)} tokens, over the "
-                               f"context limit of {self.engine.config.max_context}")
+        check_context(state.length, len(tokens), self.engine.config.max_context)
         self.store.limits.check_prompt(len(tokens))
         # The loaded state is a private copy: prefilling it changes nothing stored. The turn lock is the caller's
         # (the relay takes it in its own process, where the turn ends: an OS lock cannot change hands).

@@ -16,17 +16,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ced.batched import BatchedEngine
-from ced.engine import SamplingParams
 
 from ..core.delta_transfer import DecodeTransfers, cache_bytes
 from ..core.detokenize import window
-from .metrics import Counters
+from ..core.inputs import generation
 from ..core.seal import DECODE, RETURNED, Sealer, decode_fields, returned_fields
 from ..core.serving import Served
 from ..core.settings import ServingSettings, triton_parameters
 from ..core.stages import DecodeRequest, DecodeStage, TransferMeta
-from .triton_io import (RequestError, Outputs, as_scalar, as_text, failure_response, optional, require_decoupled, required,
-                        requested_outputs, response)
+from .metrics import Counters
+from .triton_io import (Outputs, as_scalar, as_text, failure_response, optional, requested_outputs, require_decoupled,
+                        required, response)
 
 
 @dataclass
@@ -75,11 +75,7 @@ class DecodeModel:
         """The request, its seal checked (a SealError is the client's 400, as any ValueError)."""
         pb = self.pb
         get = lambda name, kind, default: as_scalar(optional(pb, request, name), name, kind, default)  # noqa: E731
-        max_tokens = get("max_tokens", int, 64)
-        if not 1 <= max_tokens <= 4096:
-            raise RequestError(f"max_tokens must be between 1 and 4096, got {max_tokens}")
-        sampling = SamplingParams(temperature=get("temperature", float, 0.0), top_k=get("top_k", int, 0),
-                                  top_p=get("top_p", float, 1.0), seed=get("seed", int, None))
+        max_tokens, sampling = generation(get)
         decode_request = DecodeRequest(
             as_text(required(pb, request, "_conversation_id"), "_conversation_id"),
             required(pb, request, "_state").tobytes(),

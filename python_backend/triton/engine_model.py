@@ -28,8 +28,8 @@ import numpy as np
 from ced.tokenization import ChatTokenizer
 
 from ..core.detokenize import text_delta, window
-from .metrics import Counters
 from ..core.server_errors import ENGINE_FAILED
+from .metrics import Counters
 from .triton_io import error_response, requested_outputs
 
 CANCEL_CHECK_S = 0.05

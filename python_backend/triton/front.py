@@ -11,12 +11,12 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .bls import Call, prefill_request, route_request, text_array
 from ..core.delta_transfer import BASE_REFUSED, DELTA, Count, Outgoing, RelayTransfers, no_count
 from ..core.seal import DECODE, RETURNED, Sealer, decode_fields, returned_fields
 from ..core.stages import commit_turn
 from ..core.store import ConversationStore, check_id
 from ..core.transfer import TransferError
+from .bls import Call, prefill_request, route_request, text_array
 from .triton_io import RequestError
 
 # The request fields a relay passes on to decode unchanged, with the dtypes decode's config declares.

@@ -9,12 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ced.model import CEDForCausalLM
 
+from ..core.seal import Sealer
+from ..core.settings import ServingSettings, triton_parameters
 from .bls import bls_call
 from .front import PASSED_ON, Relay
 from .metrics import Counters
-from ..core.seal import Sealer
-from ..core.settings import ServingSettings, triton_parameters
-from .triton_io import Outputs, failure_response, optional, require_decoupled, requested_outputs, response
+from .triton_io import Outputs, failure_response, optional, requested_outputs, require_decoupled, response
 
 FIELDS = ("text_input", "conversation_id", "adapter", *PASSED_ON)
 

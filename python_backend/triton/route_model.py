@@ -4,9 +4,9 @@ BLS (python_backend/triton/front.py); returns the adapter a routed turn would ge
 
 from __future__ import annotations
 
-from .bls import bls_call, prefill_and_route
 from ..core.seal import Sealer
 from ..core.settings import triton_parameters
+from .bls import bls_call, prefill_and_route
 from .triton_io import Outputs, as_text, optional, required, respond_each
 
 

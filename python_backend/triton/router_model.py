@@ -13,11 +13,11 @@ import torch
 from ced.tokenization import ChatTokenizer
 
 from ..core.adapter_set import AdapterSetWatcher
-from .metrics import Counters
 from ..core.routing import load_scorer
 from ..core.serving import start_model_process
 from ..core.settings import ServingSettings, triton_parameters
 from ..core.stages import RouterStage, TransferMeta
+from .metrics import Counters
 from .triton_io import Outputs, RequestError, as_scalar, as_text, optional, required, respond_each
 
 
