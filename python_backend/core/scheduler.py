@@ -15,6 +15,10 @@ the same file, size and times, its last record checked again); a journal another
 and one damaged since is rewritten from the resident copy. A turn that fails or is cancelled stores nothing: its
 resident copy is dropped, the journal still holds the turn before.
 
+A handed turn (a disaggregated decode server's) arrives with the state another server prefilled and routed: it
+enters at replay, decodes in the same batch as every other row, and its final state goes back to its sender, which
+owns the store (or, with `returns_state` off, is stored here).
+
 A stateless turn (a whole chat or prompt, the OpenAI API's way) names no conversation: it starts from the longest
 prefix of its tokens in the prefix cache (ced/prefix_cache.py), whichever adapter wrote it, and leaves its states
 there (at the end of its prompt and at its end), never in the journal. A new conversation starts from the cache
@@ -37,6 +41,7 @@ import torch
 from torch import Tensor
 
 from ced.batched import BatchedEngine
+from ced.state import ConversationState
 from ced.engine import SamplingParams, sample
 from ced.paged import Resident
 from ced.prefix_cache import CachedPrefix, PrefixCache
@@ -76,6 +81,8 @@ class Turn:
     new: bool = False  # a conversation this turn starts
     prompt: list[int] | None = None  # a stateless turn: its whole rendered chat or prompt (no conversation)
     route_start: int = 0  # the position where the turn the router pools begins
+    handed: ConversationState | None = None  # prefilled and routed elsewhere (a decode server): enters at replay
+    returns_state: bool = False  # a handed turn's state goes back to its sender (`final_state`), nothing stored
     # progress, kept by the scheduler
     row: Resident | None = None
     tokens: list[int] = field(default_factory=list)  # the templated turn to prefill
@@ -98,6 +105,7 @@ class Turn:
     hit: CachedPrefix | None = None  # the cache entry they came from
     pooled: Tensor | None = None  # what the router was given
     finish_reason: str = ""  # "stop" (a stop token) or "length"
+    final_state: ConversationState | None = None  # a handed turn's end state, when it returns it
 
     @property
     def stateless(self) -> bool:
@@ -229,6 +237,12 @@ class Scheduler:
                 self._fail(turn, error)
 
     def _open(self, turn: Turn) -> None:
+        if turn.sampling.seed is not None:
+            turn.generator = torch.Generator().manual_seed(turn.sampling.seed)
+        if turn.handed is not None:  # nothing to prefill: straight to route (the decision came with it) and replay
+            turn.row = self.engine.open(turn.handed)
+            turn.start_length, turn.tokens = turn.row.length, []
+            return
         bos = 1 if self.tokenizer.trained else 0  # the router pools the user's turn less <|bos|>, as it was trained
         if turn.stateless or turn.new:  # the whole sequence is known: start from its longest cached prefix
             whole = turn.prompt if turn.stateless else self.tokenizer.user_turn(turn.text_ids, first=True)
@@ -245,8 +259,6 @@ class Scheduler:
         if not (turn.stateless or turn.new):
             self.store.limits.check_prompt(len(turn.tokens))
         check_context(row.length, len(turn.tokens), self.engine.config.max_context)
-        if turn.sampling.seed is not None:
-            turn.generator = torch.Generator().manual_seed(turn.sampling.seed)
 
     def _resident_row(self, turn: Turn) -> Resident:
         """The conversation in the pool, read back from the journal when the pool's copy is missing or stale."""
@@ -412,7 +424,7 @@ class Scheduler:
         turn.last = stop or len(turn.generated) >= turn.max_tokens
         if turn.last:
             turn.finish_reason = "stop" if stop else "length"
-            if turn.stateless or turn.end_conversation:
+            if (turn.stateless or turn.end_conversation) and turn.handed is None:
                 self.answering.append(turn)
         turn.sink.token(token, turn)
 
@@ -440,6 +452,9 @@ class Scheduler:
     def _finish(self, turn: Turn) -> None:
         self.decoding.remove(turn)
         cid = turn.conversation_id
+        if turn.handed is not None:
+            self._finish_handed(turn)
+            return
         if turn.answered:
             self._keep_end_state(turn.row)
             return
@@ -469,6 +484,24 @@ class Scheduler:
         self._release(turn)
         turn.sink.finished(turn)
 
+    def _finish_handed(self, turn: Turn) -> None:
+        """A decode server's turn: its end state goes back to the sender (or is stored here); the row is freed."""
+        try:
+            state = self.engine.export(turn.row)
+            if turn.returns_state:
+                turn.final_state = state
+            elif turn.end_conversation:
+                self.store.delete(turn.conversation_id)
+            else:
+                self.store.save(turn.conversation_id, state)
+        except Exception as error:  # noqa: BLE001 - not returned or stored: the client must not think it was
+            self._fail(turn, error)
+            return
+        self.engine.close(turn.row)
+        turn.row = None
+        self._release(turn)
+        turn.sink.finished(turn)
+
     def _fail(self, turn: Turn, error: Exception) -> None:
         for active in (self.prefilling, self.decoding):
             if turn in active:
@@ -483,7 +516,7 @@ class Scheduler:
         turn.sink.failed(error, turn)
 
     def _release(self, turn: Turn) -> None:
-        if not turn.stateless:
+        if not turn.stateless and not turn.returns_state:  # a returned state's lock is its sender's
             self.store.end_turn(turn.conversation_id)
 
     def _keep_end_state(self, row: Resident) -> None:

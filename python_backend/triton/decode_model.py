@@ -1,6 +1,11 @@
 """The `decode` Triton model (decoupled): maps the transfer's adapter hash through this server's registry, replays W
 positions under that adapter, then streams token ids (one response per token with `stream`, else one aggregated
-response) for the `detokenize` step to turn into text (python_backend/core/stages.py's DecodeStage).
+response) for the `detokenize` step to turn into text.
+
+On the torch engine every request is a handed turn of the scheduler (python_backend/core/scheduler.py), which
+replays and decodes all of them in one batch, each under its own adapter: `execute` checks and hands over, the
+scheduler's thread sends the responses. Exported graphs (onnxruntime, TensorRT) serve one turn at a time through
+python_backend/core/stages.py's DecodeStage.
 
 With `_return_state` (a disaggregated prefill server's relay) the final state comes back in `_state_out`, in a last
 response of its own, sealed in `_state_seal`, and the store is not touched: the prefill server owns it. `_state`
@@ -13,17 +18,22 @@ is tested without a server.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 
 from ced.batched import BatchedEngine
 
 from ..core.delta_transfer import DecodeTransfers, cache_bytes
 from ..core.detokenize import window
-from ..core.inputs import generation
+from ..core.adapter_set import sync_registry
+from ..core.inputs import RequestError, generation
+from ..core.scheduler import CancelledTurn, Scheduler, Turn
 from ..core.seal import DECODE, RETURNED, Sealer, decode_fields, returned_fields
 from ..core.serving import Served
 from ..core.settings import ServingSettings, triton_parameters
-from ..core.stages import DecodeRequest, DecodeStage, TransferMeta
+from ..core.stages import DecodeRequest, DecodeStage, RouteDecision, TransferMeta
+from .engine_model import CANCEL_CHECK_S
 from .metrics import Counters
 from .triton_io import (Outputs, as_scalar, as_text, failure_response, optional, requested_outputs, require_decoupled,
                         required, response)
@@ -34,6 +44,8 @@ class ParsedDecode:
     request: DecodeRequest
     stream: bool
     scores: str  # the router's scores (JSON), passed on to the client
+    ids: list[int] = field(default_factory=list)  # generated so far
+    replayed: int = 0
 
 
 class DecodeModel:
@@ -50,14 +62,47 @@ class DecodeModel:
         self.stage = DecodeStage(self.served.engine, self.served.store, self.served.tokenizer,
                                  self.served.load_errors, batched, transfers)
         self.sealer = Sealer.from_environment()
+        self.scheduler = None
+        self._answered = threading.Condition()
+        self._outstanding = 0  # handed turns not answered yet
+        if batched is not None:
+            self._synced = self.served.watcher.current  # the set the registry holds (Served.open synced it)
+            self.scheduler = Scheduler(batched, self.served.store, self.served.tokenizer, self._engine_adapter,
+                                       self._sync_adapters, prefix_cache_bytes=0).start()
 
     def finalize(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.stop()
         self.counters.close()
 
+    def idle(self, timeout_s: float = 60.0) -> bool:
+        """Whether every handed turn has been answered within `timeout_s` (tests)."""
+        with self._answered:
+            return self._answered.wait_for(lambda: self._outstanding == 0, timeout_s)
+
+    def _count_outstanding(self, change: int) -> None:
+        with self._answered:
+            self._outstanding += change
+            self._answered.notify_all()
+
+    def _sync_adapters(self) -> list[str]:
+        """On the scheduler's thread, between steps: bring the registry to the set `execute` last read."""
+        current = self.served.watcher.current
+        if current is self._synced:
+            return []
+        self._synced = current
+        return sync_registry(self.served.engine.adapters, current, self.served.fingerprints, self.served.load_errors)
+
+    def _engine_adapter(self, decision: RouteDecision) -> str | None:
+        return self.stage.adapter_for(self.served.watcher.current, decision.adapter_hash)
+
     def execute(self, requests) -> None:
-        changes = self.served.refresh()  # live configuration: the adapter-set file changed
-        if changes:
-            self.pb.Logger.log_info(f"adapter set changed: {'; '.join(changes)}")
+        if self.scheduler is not None:
+            self.served.watcher.poll()  # the scheduler takes a changed set between its steps
+        else:
+            changes = self.served.refresh()  # live configuration: the adapter-set file changed
+            if changes:
+                self.pb.Logger.log_info(f"adapter set changed: {'; '.join(changes)}")
         for request in requests:
             sender = request.get_response_sender()
             try:  # refused here, the request has touched nothing: no lock is taken or released
@@ -66,7 +111,10 @@ class DecodeModel:
                 sender.send(failure_response(self.pb, error, "decode"), flags=self.final)
                 continue
             try:
-                self.serve(parsed, sender, requested_outputs(request))
+                if self.scheduler is not None:
+                    self.hand_over(parsed, sender, requested_outputs(request))
+                else:
+                    self.serve(parsed, sender, requested_outputs(request))
             except Exception as error:  # noqa: BLE001
                 self._end_turn_here(parsed.request)  # idempotent: the stage may have ended it already
                 sender.send(failure_response(self.pb, error, "decode"), flags=self.final)
@@ -93,6 +141,35 @@ class DecodeModel:
         there)."""
         if not decode_request.return_state:
             self.served.store.end_turn(decode_request.conversation_id)
+
+    def hand_over(self, parsed: ParsedDecode, sender, wanted: frozenset[str]) -> None:
+        """Checks what can be refused before any work (a delta on a state not held here, an adapter not loaded, a
+        length that does not match), then gives the turn to the scheduler."""
+        decode_request = parsed.request
+        received = self.stage.receive(decode_request)
+        if received.state.length != decode_request.meta.length:
+            raise RequestError(f"transfer says {decode_request.meta.length} tokens, the state holds "
+                               f"{received.state.length}")
+        self.counters.add("mol2_routes_read", str(decode_request.meta.adapter_hash))
+        adapter = self.stage.adapter_for(self.served.watcher.current, decode_request.meta.adapter_hash)
+        decision = RouteDecision(adapter or "base", decode_request.meta.adapter_hash)
+        if not decode_request.return_state:  # it commits here: the turn lock is taken here, in this process
+            self.served.store.begin_turn(decode_request.conversation_id)
+        sampling = decode_request.sampling
+        budget = min(decode_request.max_tokens, self.served.engine.config.max_context - received.state.length)
+        self._count_outstanding(+1)
+        self.scheduler.submit(Turn(
+            decode_request.conversation_id, [], lambda pooled: decision, HandedSink(self, parsed, sender, wanted),
+            max(budget, 1), sampling, end_conversation=decode_request.end_conversation, explicit=True,
+            handed=received.state, returns_state=decode_request.return_state))
+
+    def respond(self, parsed: ParsedDecode, fresh: int, last: bool, wanted: frozenset[str], adapter: str):
+        """The newest `fresh` ids (after a few earlier ones, for detokenize) and the turn's metadata; only the
+        outputs the request asked for (triton_io.response)."""
+        return response(self.pb, self.outputs.tensors(
+            _ids=window(parsed.ids, fresh), _fresh=fresh, _last=last, applied_adapter=adapter,
+            replayed_tokens=parsed.replayed, output_tokens=len(parsed.ids), route_scores=parsed.scores,
+            conversation_id_out=parsed.request.conversation_id), wanted)
 
     def serve(self, parsed: ParsedDecode, sender, wanted: frozenset[str]) -> None:
         decode_request = parsed.request
@@ -131,3 +208,69 @@ class DecodeModel:
         for earlier in last[:-1]:
             sender.send(earlier)
         sender.send(last[-1], flags=self.final)
+
+
+class HandedSink:
+    """A handed turn's responses, sent from the scheduler's thread: a response per token when streaming, then the
+    last one (and, to a prefill server, the state it gets back)."""
+
+    def __init__(self, model: DecodeModel, parsed: ParsedDecode, sender, wanted: frozenset[str]):
+        self.model, self.parsed, self.sender, self.wanted = model, parsed, sender, wanted
+        self._lock = threading.Lock()  # `cancelled` asks the sender, which must not be asked once it is final
+        self._final = False
+        self._next_check = 0.0  # Triton is asked at most every CANCEL_CHECK_S (each ask crosses to the server)
+
+    def token(self, token: int, turn: Turn) -> None:
+        parsed, counters = self.parsed, self.model.counters
+        if not parsed.ids:
+            parsed.replayed = turn.replayed
+            counters.add("mol2_routes_applied", turn.decision.adapter)
+            counters.add("mol2_replayed_tokens", turn.decision.adapter, turn.replayed)
+        parsed.ids.append(token)
+        if parsed.stream:
+            self.sender.send(self.model.respond(parsed, 1, False, self.wanted, turn.decision.adapter))
+
+    def finished(self, turn: Turn) -> None:
+        model, parsed, request = self.model, self.parsed, self.parsed.request
+        model.counters.add("mol2_requests", turn.decision.adapter)
+        try:
+            # Streamed: the last response adds no ids, it flushes a character left unfinished (and carries FINAL).
+            last = [model.respond(parsed, 0 if parsed.stream else len(parsed.ids), True, self.wanted,
+                                  turn.decision.adapter)]
+            if request.return_state:
+                state = model.stage.transfers.reply(request.conversation_id, request.received, turn.final_state,
+                                                    request.end_conversation)
+                seal = model.sealer.seal(RETURNED, **returned_fields(request.conversation_id, state))
+                last.append(response(model.pb, model.outputs.tensors(_state_out=state, _state_seal=seal),
+                                     self.wanted))
+        except Exception as error:  # noqa: BLE001 - the reply could not be made: this turn fails, the loop goes on
+            self.failed(error, turn)
+            return
+        for earlier in last[:-1]:
+            self.sender.send(earlier)
+        self._send_final(last[-1])
+
+    def failed(self, error: Exception, turn: Turn) -> None:
+        if isinstance(error, CancelledTurn):  # the client went away: nothing more to say, the turn is dropped
+            self._send_final(None)
+        else:
+            self._send_final(failure_response(self.model.pb, error, "decode"))
+
+    def cancelled(self) -> bool:
+        now = time.monotonic()
+        if now < self._next_check:
+            return False
+        self._next_check = now + CANCEL_CHECK_S
+        with self._lock:
+            return not self._final and self.sender.is_cancelled()
+
+    def _send_final(self, last) -> None:
+        with self._lock:
+            self._final = True
+        try:
+            if last is None:
+                self.sender.send(flags=self.model.final)
+            else:
+                self.sender.send(last, flags=self.model.final)
+        finally:
+            self.model._count_outstanding(-1)

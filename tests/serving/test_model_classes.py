@@ -287,7 +287,8 @@ def decode_request(pb, config, conversation_id: str, wanted=(), stream=False, re
 
 def test_decode(pb, config):
     model = DecodeModel(pb, config("decode"))
-    fail_when(model.stage, "run", lambda adapter_set, request: request.conversation_id == "c3")
+    assert model.scheduler is not None  # the torch engine: every turn is a handed turn of one batched loop
+    fail_when(model.served.store, "save", lambda conversation_id, state: conversation_id == "c3")  # after its tokens
     asked = ("_ids", "_fresh", "_last", "output_tokens")  # decoupled: only these may be sent
     everything = tuple(set(declared(config("decode"))) - {"_state_out", "_state_seal"})  # as the ensemble asks
     streamed, whole = decode_request(pb, config, "c1", asked, stream=True), decode_request(pb, config, "c2", everything)
@@ -295,6 +296,7 @@ def test_decode(pb, config):
     unsealed.inputs.pop("_seal")
     bug = decode_request(pb, config, "c3")
     model.execute([streamed, unsealed, whole, bug])
+    assert model.idle()  # the scheduler's thread sends the responses
 
     *tokens, (last, flags) = streamed.sender.sent
     assert len(tokens) == 3 and all(f == 0 for _, f in tokens) and flags == FINAL
@@ -324,6 +326,7 @@ def test_decode_returns_the_state_to_a_prefill_server(pb, config):
     wanted = tuple(declared(config("decode")))
     request = decode_request(pb, config, "c1", wanted, return_state=True)
     model.execute([request])
+    assert model.idle()
     (answer, flags), (state, final) = request.sender.sent
     assert (flags, final) == (0, FINAL)
     assert_outputs(answer, config("decode"), set(wanted) - {"_state_out", "_state_seal"})
@@ -334,6 +337,25 @@ def test_decode_returns_the_state_to_a_prefill_server(pb, config):
     returned = state.tensors["_state_out"].nbytes
     assert pb.counts[("mol2_transfer_bytes_total", (("direction", "to_prefill"), ("kind", "delta")))] == returned
     assert returned > 0
+    model.finalize()
+
+
+def test_decode_batches_the_turns_it_is_handed(pb, config):
+    """A decode server's turns share the scheduler's decode steps (it served them one after another before): eight
+    turns handed over together decode as one batch, each answered in full."""
+    model = DecodeModel(pb, config("decode"))
+    requests = [decode_request(pb, config, f"b{i}", ("_ids", "output_tokens"), return_state=True) for i in range(8)]
+    steps_before = model.scheduler.stats.decode_steps
+    model.execute(requests)
+    assert model.idle()
+    for request in requests:
+        *_, (last, flags) = request.sender.sent
+        assert flags == FINAL and not last.has_error()
+    # one after another, 8 turns of 3 tokens take 24 steps of one row; together, a few steps of many rows (turns
+    # handed over while the loop runs may join a step or two later)
+    stats = model.scheduler.stats
+    steps = stats.decode_steps - steps_before
+    assert steps <= 8 and stats.decode_rows == 24 and stats.decode_rows / stats.decode_steps >= 3, stats
     model.finalize()
 
 
