@@ -40,7 +40,6 @@ import numpy as np
 from ced.batched import BatchedEngine
 from ced.tokenization import check_messages
 
-from .adapter_set import sync_registry
 from .detokenize import check_ids
 from .inputs import RequestError, as_scalar, as_text, generation, text_size
 from .limits import check_context
@@ -89,13 +88,12 @@ class EngineCore:
         self.router = RouterStage(scorer)
         self.decode = DecodeStage(served.engine, served.store, served.tokenizer, served.load_errors)
         self.sinks: dict[int, EventSink] = {}  # request id -> its turn's sink, until its last event
-        self._synced = served.watcher.current  # the set the engine's registry holds (Served.open synced it)
         if served.settings.engine == "torch":
             chunk_threads = engine_setting(parameters, "chunk_threads", len(os.sched_getaffinity(0)))
             prefix_cache_bytes = engine_setting(parameters, "prefix_cache_mb", 1024) << 20
             engine = BatchedEngine(served.engine, chunk_threads=chunk_threads, capacity_bytes=prefix_cache_bytes)
             self.scheduler = Scheduler(engine, served.store, served.tokenizer, self._engine_adapter,
-                                       self._sync_adapters, token_budget=int(parameters.get("token_budget", "512")),
+                                       served.sync_current, token_budget=int(parameters.get("token_budget", "512")),
                                        max_resident=int(parameters.get("max_resident", "64")),
                                        prefix_cache_bytes=prefix_cache_bytes, publish=outbox.flush).start()
             self.serial = None
@@ -108,14 +106,6 @@ class EngineCore:
         if self.scheduler is not None:
             self.scheduler.stop()
         self.outbox.flush()
-
-    def _sync_adapters(self) -> list[str]:
-        """On the thread that runs the engine, between steps: bring the registry to the set `execute` last read."""
-        current = self.served.watcher.current
-        if current is self._synced:
-            return []
-        self._synced = current
-        return sync_registry(self.served.engine.adapters, current, self.served.fingerprints, self.served.load_errors)
 
     def _engine_adapter(self, decision) -> str | None:
         self.outbox.count("mol2_routes_read", str(decision.adapter_hash))
@@ -306,7 +296,7 @@ class SerialTurns:
 
     def _serve(self, turn: Turn) -> None:
         served, core = self.core.served, self.core
-        changes = core._sync_adapters()
+        changes = core.served.sync_current()
         if changes:
             log.info("adapter set changed: %s", "; ".join(changes))
         fresh = turn.new or turn.stateless  # a stateless turn is served whole, without a prefix cache here

@@ -34,6 +34,7 @@ class Served:
     watcher: AdapterSetWatcher
     fingerprints: dict
     load_errors: dict  # adapter name -> why it is in the set but not loaded
+    synced: object = None  # the adapter set the engine's registry holds (sync_current)
 
     @classmethod
     def open(cls, settings: ServingSettings, with_adapters: bool = True) -> "Served":
@@ -47,7 +48,17 @@ class Served:
                      ChatTokenizer(settings.model_dir), AdapterSetWatcher(settings.adapter_set), {}, {})
         if with_adapters:
             sync_registry(engine.adapters, served.watcher.current, served.fingerprints, served.load_errors)
+            served.synced = served.watcher.current
         return served
+
+    def sync_current(self) -> list[str]:
+        """For an engine that runs on a thread of its own, between its steps: bring the registry to the set the
+        watcher last read (requests poll the file as they arrive, on another thread). Returns what changed."""
+        current = self.watcher.current
+        if current is self.synced:
+            return []
+        self.synced = current
+        return sync_registry(self.engine.adapters, current, self.fingerprints, self.load_errors)
 
     def refresh(self) -> list[str]:
         """Take a changed adapter-set file (live configuration): load, replace or unload adapters."""

@@ -26,7 +26,6 @@ from ced.batched import BatchedEngine
 
 from ..core.delta_transfer import DecodeTransfers, cache_bytes
 from ..core.detokenize import window
-from ..core.adapter_set import sync_registry
 from ..core.inputs import RequestError, generation
 from ..core.scheduler import CancelledTurn, Scheduler, Turn
 from ..core.seal import DECODE, RETURNED, Sealer, decode_fields, returned_fields
@@ -66,9 +65,8 @@ class DecodeModel:
         self._answered = threading.Condition()
         self._outstanding = 0  # handed turns not answered yet
         if batched is not None:
-            self._synced = self.served.watcher.current  # the set the registry holds (Served.open synced it)
             self.scheduler = Scheduler(batched, self.served.store, self.served.tokenizer, self._engine_adapter,
-                                       self._sync_adapters, prefix_cache_bytes=0).start()
+                                       self.served.sync_current, prefix_cache_bytes=0).start()
 
     def finalize(self) -> None:
         if self.scheduler is not None:
@@ -84,14 +82,6 @@ class DecodeModel:
         with self._answered:
             self._outstanding += change
             self._answered.notify_all()
-
-    def _sync_adapters(self) -> list[str]:
-        """On the scheduler's thread, between steps: bring the registry to the set `execute` last read."""
-        current = self.served.watcher.current
-        if current is self._synced:
-            return []
-        self._synced = current
-        return sync_registry(self.served.engine.adapters, current, self.served.fingerprints, self.served.load_errors)
 
     def _engine_adapter(self, decision: RouteDecision) -> str | None:
         return self.stage.adapter_for(self.served.watcher.current, decision.adapter_hash)
