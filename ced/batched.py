@@ -153,12 +153,14 @@ class BatchedEngine:
     def generate(self, row: Resident, adapter: str | None, logits: Tensor, max_tokens: int,
                  sampling: SamplingParams | None = None, stop_tokens: Iterable[int] = ()) -> Iterator[int]:
         """One row alone, as CEDEngine.generate: sample, append, repeat; each yielded token is in the state."""
-        sampling, stop = sampling or SamplingParams(), set(stop_tokens)
+        sampling = sampling or SamplingParams()
+        stop, generated = set(stop_tokens) | set(sampling.stop_token_ids), []
         generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         for _ in range(max_tokens):
             if row.length >= self.config.max_context:
                 return
-            token = sample(logits, sampling, generator)
+            token = sample(logits, sampling, generator, row.tokens, generated, stop)
+            generated.append(token)
             logits = self.step([row], [token], [adapter])[0]
             yield token
             if token in stop:

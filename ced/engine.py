@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Collection, Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -31,10 +31,19 @@ class StateError(RuntimeError):
 
 @dataclass
 class SamplingParams:
+    """How the next token is chosen. The penalties and filters mean what vLLM's (and OpenAI's) fields of the same
+    names mean, so a client gets what it asked for whichever server it sends to."""
+
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = no top-k filter
     top_p: float = 1.0
     seed: int | None = None
+    min_p: float = 0.0  # drop tokens less likely than min_p x the likeliest (0: off)
+    repetition_penalty: float = 1.0  # a token already in the context (prompt or output): logit / p if > 0, else x p
+    presence_penalty: float = 0.0  # subtracted once from each token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    min_tokens: int = 0  # no stop token before this many tokens
+    stop_token_ids: tuple[int, ...] = ()  # stop after any of these, as after the tokenizer's own stop tokens
 
     def __post_init__(self):
         # each refusal names its field and the value as the engine got it (NaN fails every comparison)
@@ -44,6 +53,23 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0: no top-k filter), got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be > 0 and <= 1, got {self.top_p!r}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be between 0 and 1, got {self.min_p!r}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1: off), got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be between -2 and 2, got {getattr(self, name)!r}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        if any(token < 0 for token in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids (>= 0), got {list(self.stop_token_ids)!r}")
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether anything but temperature, top-k and top-p applies (the rows that need their history)."""
+        return (self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.min_tokens > 0)
 
 
 @dataclass
@@ -184,12 +210,14 @@ class CEDEngine:
     def generate(self, state: ConversationState, adapter: str | None, logits: Tensor, max_tokens: int,
                  sampling: SamplingParams | None = None, stop_tokens: Iterable[int] = ()) -> Iterator[int]:
         """Sample from `logits`, append, repeat; each yielded token is already part of the state."""
-        sampling, stop = sampling or SamplingParams(), set(stop_tokens)
+        sampling = sampling or SamplingParams()
+        stop, generated = set(stop_tokens) | set(sampling.stop_token_ids), []
         generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         for _ in range(max_tokens):
             if state.length >= self.config.max_context:
                 return
-            token = sample(logits, sampling, generator)
+            token = sample(logits, sampling, generator, state.shared.tokens, generated, stop)
+            generated.append(token)
             logits = self.step(state, token, adapter)
             yield token
             if token in stop:
@@ -227,11 +255,37 @@ def check_tokens(config, length: int, tokens: list[int]) -> list[int]:
     return tokens
 
 
-def sample(logits: Tensor, sampling: SamplingParams, generator: torch.Generator | None = None) -> int:
+def shaped_logits(logits: Tensor, sampling: SamplingParams, context: Sequence[int], generated: Sequence[int],
+                  stop_ids: Collection[int]) -> Tensor:
+    """The logits after the penalties (`context`: every token of the conversation so far, `generated`: this turn's
+    output) and, before `min_tokens`, with `stop_ids` impossible. A copy; the input is untouched."""
+    logits = logits.float().clone()
+    if sampling.repetition_penalty != 1 and len(context):
+        seen = torch.tensor(sorted(set(context)), dtype=torch.long)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / sampling.repetition_penalty,
+                                   values * sampling.repetition_penalty)
+    if (sampling.presence_penalty or sampling.frequency_penalty) and len(generated):
+        counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=logits.numel())[:logits.numel()]
+        logits -= sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0)
+    stop_ids = sorted(token for token in stop_ids if token < logits.numel())  # an id past the vocabulary never comes
+    if len(generated) < sampling.min_tokens and stop_ids:
+        logits[torch.tensor(stop_ids, dtype=torch.long)] = -math.inf
+    return logits
+
+
+def sample(logits: Tensor, sampling: SamplingParams, generator: torch.Generator | None = None,
+           context: Sequence[int] = (), generated: Sequence[int] = (), stop_ids: Collection[int] = ()) -> int:
+    """The next token: greedy at temperature 0, else drawn after top-k, top-p and min-p. With penalties or
+    `min_tokens` the logits are shaped first (shaped_logits), which needs the conversation's tokens."""
+    if sampling.shapes_logits:
+        logits = shaped_logits(logits, sampling, context, generated, stop_ids)
     if sampling.temperature == 0:
         return int(logits.argmax())
     logits = logits.float()
     probs = ((logits - logits.max()) / sampling.temperature).softmax(-1)  # shifted: a tiny temperature stays finite
+    if sampling.min_p:
+        probs = torch.where(probs >= sampling.min_p * probs.max(), probs, torch.zeros_like(probs))
     if sampling.top_k:
         kth = probs.topk(min(sampling.top_k, probs.numel())).values[-1]
         probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))

@@ -144,7 +144,7 @@ class EngineCore:
         check_ids(text_ids, self.served.engine.config.vocab_size, "_text_ids")  # a client may send ids directly
         if prompt is None and not text_ids:
             raise RequestError("text_input is empty")
-        max_tokens, sampling = generation(get)
+        max_tokens, sampling = generation(get, inputs.get("stop_token_ids"))
         explicit = as_text(inputs.get("adapter"), "adapter")
         adapter_set = self.served.watcher.current
         if explicit:

@@ -42,13 +42,23 @@ def as_scalar(value, name: str, kind: type, default):
     return kind(value.reshape(-1)[0])
 
 
-def generation(get):
+def generation(get, stop_token_ids=None):
     """`max_tokens` (1..MAX_NEW_TOKENS, default 64) and the sampling settings (greedy by default) of a request,
-    read through `get(name, kind, default)`: the one place both are parsed, whichever model receives the turn."""
+    read through `get(name, kind, default)` (and `stop_token_ids`, the input's array, if sent): the one place both
+    are parsed, whichever model receives the turn. Out of range: a RequestError naming the field."""
     from ced.engine import SamplingParams  # here: the models that import this module without generating have no torch
 
     max_tokens = get("max_tokens", int, 64)
     if not 1 <= max_tokens <= MAX_NEW_TOKENS:
         raise RequestError(f"max_tokens must be between 1 and {MAX_NEW_TOKENS}, got {max_tokens}")
-    return max_tokens, SamplingParams(temperature=get("temperature", float, 0.0), top_k=get("top_k", int, 0),
-                                      top_p=get("top_p", float, 1.0), seed=get("seed", int, None))
+    stops = () if stop_token_ids is None else tuple(int(token) for token in stop_token_ids.reshape(-1))
+    try:
+        return max_tokens, SamplingParams(
+            temperature=get("temperature", float, 0.0), top_k=get("top_k", int, 0), top_p=get("top_p", float, 1.0),
+            seed=get("seed", int, None), min_p=get("min_p", float, 0.0),
+            repetition_penalty=get("repetition_penalty", float, 1.0),
+            presence_penalty=get("presence_penalty", float, 0.0),
+            frequency_penalty=get("frequency_penalty", float, 0.0), min_tokens=get("min_tokens", int, 0),
+            stop_token_ids=stops)
+    except ValueError as error:
+        raise RequestError(str(error)) from None

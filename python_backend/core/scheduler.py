@@ -417,10 +417,16 @@ class Scheduler:
             turn.finish_reason = "length"
             self._finish(turn)
             return
-        token = sample(logits, turn.sampling, turn.generator)
+        stops = turn.sampling.stop_token_ids
+        if turn.sampling.shapes_logits:  # penalties or min_tokens: they read the conversation's tokens
+            eos = () if turn.ignore_eos else self.tokenizer.stop_ids
+            token = sample(logits, turn.sampling, turn.generator, turn.row.tokens, turn.generated,
+                           set(eos) | set(stops))
+        else:
+            token = sample(logits, turn.sampling, turn.generator)
         turn.generated.append(token)
         turn.next_token = token
-        stop = token in self.tokenizer.stop_ids and not turn.ignore_eos
+        stop = token in stops or token in self.tokenizer.stop_ids and not turn.ignore_eos
         turn.last = stop or len(turn.generated) >= turn.max_tokens
         if turn.last:
             turn.finish_reason = "stop" if stop else "length"

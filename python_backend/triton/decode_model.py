@@ -113,7 +113,7 @@ class DecodeModel:
         """The request, its seal checked (a SealError is the client's 400, as any ValueError)."""
         pb = self.pb
         get = lambda name, kind, default: as_scalar(optional(pb, request, name), name, kind, default)  # noqa: E731
-        max_tokens, sampling = generation(get)
+        max_tokens, sampling = generation(get, optional(pb, request, "stop_token_ids"))
         decode_request = DecodeRequest(
             as_text(required(pb, request, "_conversation_id"), "_conversation_id"),
             required(pb, request, "_state").tobytes(),

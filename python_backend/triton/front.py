@@ -19,9 +19,13 @@ from ..core.transfer import TransferError
 from .bls import Call, prefill_request, route_request, text_array
 from .triton_io import RequestError
 
-# The request fields a relay passes on to decode unchanged, with the dtypes decode's config declares.
+# The request fields a relay passes on to decode unchanged, with the dtypes decode's config declares: one value
+# each, but for the lists.
 PASSED_ON = {"max_tokens": np.int32, "stream": np.bool_, "temperature": np.float32, "top_p": np.float32,
-             "top_k": np.int32, "seed": np.uint64, "end_conversation": np.bool_}
+             "top_k": np.int32, "seed": np.uint64, "end_conversation": np.bool_, "min_p": np.float32,
+             "repetition_penalty": np.float32, "presence_penalty": np.float32, "frequency_penalty": np.float32,
+             "min_tokens": np.int32, "stop_token_ids": np.int32}
+LISTS = frozenset({"stop_token_ids"})
 ANSWER_OUTPUTS = ("applied_adapter", "replayed_tokens", "output_tokens", "route_scores", "conversation_id_out")
 IDS = ("_ids", "_fresh", "_last")  # what decode sends for `detokenize` to turn into text_output
 
@@ -99,7 +103,7 @@ class Relay:
             inputs = {"_state": prefilled["_state"], "_routed_meta": routed["_routed_meta"],
                       "_conversation_id": prefilled["_conversation_id"], "_route_scores": routed["_route_scores"],
                       "_return_state": np.array([True])}
-            inputs.update({name: fields[name].astype(dtype).reshape(1)
+            inputs.update({name: fields[name].astype(dtype).reshape(-1 if name in LISTS else 1)
                            for name, dtype in PASSED_ON.items() if fields.get(name) is not None})
             end = _flag(inputs.get("end_conversation"))
             sent = self.transfers.outgoing(conversation_id, prefilled["_state"].tobytes())

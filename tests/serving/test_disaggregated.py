@@ -244,3 +244,14 @@ def test_disaggregated_falls_back_to_the_full_state_when_another_relay_wrote_the
     counted = results["split"][1]
     assert counted.get(("mol2_transfer_fallbacks_total", "relay", "store_changed", "")) == 1, counted
     assert counted.get(("mol2_transfer_bytes_total", "relay", "to_decode", "delta")), counted  # turn 2
+
+
+def test_the_sampling_controls_travel_to_the_decode_server(server, disaggregated):
+    """The relay passes the penalties, min_tokens and stop_token_ids on (a list among scalars): the pair answers
+    as the single server does under the same settings."""
+    prefill, _ = disaggregated
+    fields = dict(text_input="tell me about the weather", adapter="chat", max_tokens=10, ignore_eos=True,
+                  repetition_penalty=2.5, presence_penalty=1.0, min_tokens=3, stop_token_ids=[7, 11],
+                  end_conversation=True)
+    single, split = generate(server, **fields), generate(prefill, **fields)
+    assert "error" not in split and split["text_output"] == single["text_output"], (single, split)

@@ -145,3 +145,33 @@ def test_a_turn_that_fails_in_prefill_fails_alone(parts):
     assert isinstance(bad.error, ValueError) and "out of range" in str(bad.error)
     assert good.done and good.error is None and len(good.tokens) == 8
     assert beside.done and beside.error is None and len(beside.tokens) == 4
+
+
+def test_sampling_controls_shape_the_batched_turns_as_the_serial_engine(parts, served_dir):
+    """Rows with penalties, min_tokens and stop_token_ids beside a plain row in one batch: each gets the serial
+    engine's tokens under the same settings, and the plain row is untouched by its neighbours' settings."""
+    from ced.engine import SamplingParams
+
+    scheduler, store, tokenizer = parts
+    plain = serial_tokens(served_dir, tokenizer, [("tell me more", "chat")], max_tokens=10)[0]
+    stop = plain[3]
+    settings = {"plain": SamplingParams(), "penalised": SamplingParams(repetition_penalty=3.0, frequency_penalty=1.0),
+                "stopped": SamplingParams(stop_token_ids=(stop,)), "late": SamplingParams(min_tokens=10)}
+    sinks = {}
+    for cid, sampling in settings.items():
+        sinks[cid] = Sink()
+        store.begin_turn(cid)
+        made = turn(cid, "tell me more", "chat", sinks[cid], tokenizer, max_tokens=10)
+        made.sampling = sampling
+        scheduler.submit(made)
+    scheduler.drain()
+    engine = make_engine(served_dir)
+    for cid, sampling in settings.items():
+        state = engine.new_conversation()
+        logits = engine.turn(state, tokenizer.user_turn(tokenizer.encode("tell me more"), True), "chat").logits
+        expected = list(engine.generate(state, "chat", logits, 10, sampling, stop_tokens=tokenizer.stop_ids))
+        assert sinks[cid].done and sinks[cid].tokens == expected, cid
+    assert sinks["plain"].tokens == plain
+    assert sinks["penalised"].tokens != plain
+    assert sinks["stopped"].tokens == plain[:plain.index(stop) + 1]
+    assert len(sinks["late"].tokens) == 10 and not set(sinks["late"].tokens) & set(tokenizer.stop_ids)

@@ -304,3 +304,18 @@ def test_mixed_explicit_and_routed_requests(server):
     delta = {name: after[name] - before[name] for name in names}
     assert delta["mol2_routes_written"] == delta["mol2_routes_read"] == delta["mol2_routes_applied"] == len(explicit)
 
+
+
+def test_sampling_controls_reach_the_engine_and_bad_ones_are_named(server):
+    """min_p, the penalties, min_tokens and stop_token_ids are inputs of the ensemble: they change the answer, and a
+    value out of range is a 400 naming its field (it was accepted and ignored before)."""
+    fields = dict(text_input="tell me about the weather", adapter="chat", max_tokens=12, ignore_eos=True)
+    plain = generate(server, **fields)["text_output"]
+    assert generate(server, **fields, repetition_penalty=3.0, frequency_penalty=2.0)["text_output"] != plain
+    assert generate(server, **fields, min_p=0.0, presence_penalty=0.0, min_tokens=0, stop_token_ids=[]
+                    )["text_output"] == plain  # the no-op values change nothing
+    stopped = generate(server, **fields, stop_token_ids=list(range(1, 9000)))  # every token stops: one comes out
+    assert stopped["output_tokens"] == 1, stopped
+    for field, value in (("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("min_p", 2.0), ("min_tokens", -1)):
+        answer = generate(server, **fields, **{field: value})
+        assert field in answer.get("error", ""), answer
