@@ -130,6 +130,7 @@ class DecodeRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     end_conversation: bool = False
     return_state: bool = False  # disaggregated: the prefill server owns the store and the turn lock
+    ignore_eos: bool = False  # generate past the tokenizer's stop tokens (benchmarks)
     final_state: bytes = b""  # set when done, if return_state: a delta on the state received, or the full state
     received: Received | None = None  # the state `state` carries (DecodeStage.receive), once resolved
 
@@ -178,17 +179,18 @@ class DecodeStage:
             if state.length != request.meta.length:
                 raise RequestError(f"transfer says {request.meta.length} tokens, the state holds {state.length}")
             budget = min(request.max_tokens, self.engine.config.max_context - state.length)
+            stops = () if request.ignore_eos else self.tokenizer.stop_ids
             if self.batched is None:
                 logits, replayed = self.engine.replay(state, adapter)
                 for token in self.engine.generate(state, adapter, logits, budget, request.sampling,
-                                                  self.tokenizer.stop_ids):
+                                                  stops):
                     yield token, replayed
             else:
                 row = self.batched.open(state)
                 try:
                     logits, (replayed,) = self.batched.replay([row], [adapter])
                     for token in self.batched.generate(row, adapter, logits[0], budget, request.sampling,
-                                                       self.tokenizer.stop_ids):
+                                                       stops):
                         yield token, replayed
                     state = self.batched.export(row)
                 finally:

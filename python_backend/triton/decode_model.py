@@ -118,7 +118,8 @@ class DecodeModel:
             as_text(required(pb, request, "_conversation_id"), "_conversation_id"),
             required(pb, request, "_state").tobytes(),
             TransferMeta.from_tensor(required(pb, request, "_routed_meta").reshape(-1)), max_tokens, sampling,
-            bool(get("end_conversation", bool, False)), bool(get("_return_state", bool, False)))
+            bool(get("end_conversation", bool, False)), bool(get("_return_state", bool, False)),
+            bool(get("ignore_eos", bool, False)))
         parsed = ParsedDecode(decode_request, bool(get("stream", bool, False)),
                               as_text(optional(pb, request, "_route_scores"), "_route_scores") or "{}")
         self.sealer.check(DECODE, as_text(optional(pb, request, "_seal"), "_seal"), **decode_fields(
@@ -150,7 +151,8 @@ class DecodeModel:
         self._count_outstanding(+1)
         self.scheduler.submit(Turn(
             decode_request.conversation_id, [], lambda pooled: decision, HandedSink(self, parsed, sender, wanted),
-            max(budget, 1), sampling, end_conversation=decode_request.end_conversation, explicit=True,
+            max(budget, 1), sampling, ignore_eos=decode_request.ignore_eos,
+            end_conversation=decode_request.end_conversation, explicit=True,
             handed=received.state, returns_state=decode_request.return_state))
 
     def respond(self, parsed: ParsedDecode, fresh: int, last: bool, wanted: frozenset[str], adapter: str):

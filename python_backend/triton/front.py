@@ -22,9 +22,9 @@ from .triton_io import RequestError
 # The request fields a relay passes on to decode unchanged, with the dtypes decode's config declares: one value
 # each, but for the lists.
 PASSED_ON = {"max_tokens": np.int32, "stream": np.bool_, "temperature": np.float32, "top_p": np.float32,
-             "top_k": np.int32, "seed": np.uint64, "end_conversation": np.bool_, "min_p": np.float32,
-             "repetition_penalty": np.float32, "presence_penalty": np.float32, "frequency_penalty": np.float32,
-             "min_tokens": np.int32, "stop_token_ids": np.int32}
+             "top_k": np.int32, "seed": np.uint64, "end_conversation": np.bool_, "ignore_eos": np.bool_,
+             "min_p": np.float32, "repetition_penalty": np.float32, "presence_penalty": np.float32,
+             "frequency_penalty": np.float32, "min_tokens": np.int32, "stop_token_ids": np.int32}
 LISTS = frozenset({"stop_token_ids"})
 ANSWER_OUTPUTS = ("applied_adapter", "replayed_tokens", "output_tokens", "route_scores", "conversation_id_out")
 IDS = ("_ids", "_fresh", "_last")  # what decode sends for `detokenize` to turn into text_output

@@ -255,3 +255,5 @@ def test_the_sampling_controls_travel_to_the_decode_server(server, disaggregated
                   end_conversation=True)
     single, split = generate(server, **fields), generate(prefill, **fields)
     assert "error" not in split and split["text_output"] == single["text_output"], (single, split)
+    long = dict(text_input="hi", adapter="chat", max_tokens=40, ignore_eos=True, end_conversation=True)
+    assert generate(prefill, **long)["output_tokens"] == 40  # ignore_eos too (the relay dropped it before)
