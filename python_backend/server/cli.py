@@ -78,6 +78,14 @@ def add_serve(commands, **options) -> None:
     parser.add_argument("--openai-port", type=int, default=9000,
                         help="port of the OpenAI-compatible API (/v1/chat/completions, /v1/models, ...) on --host, "
                              "started once tritonserver is ready (default 9000; 0: off; --role all only)")
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help="a key clients must send as 'Authorization: Bearer KEY' on the OpenAI port and the HTTP "
+                             "port (repeat for several; also --api-key-file, MOL2_API_KEY); health probes stay open. "
+                             "Default: no key, every request passes")
+    parser.add_argument("--api-key-file", metavar="FILE", help="a file of API keys, one per line (# comments)")
+    parser.add_argument("--allowed-origins", metavar="ORIGINS",
+                        help="CORS on the OpenAI port: a comma-separated list of origins "
+                             "(https://app.example.com,...) or '*' (default: no CORS headers)")
     parser.add_argument("--adapters-root", help="the folder a /v1/load_lora_adapter lora_path must lie in (default: "
                                                 "adapters/ beside the adapter set)")
     parser.add_argument("--ready-only", action="store_true", help="exit once the server answers ready (smoke test)")

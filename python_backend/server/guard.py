@@ -8,8 +8,14 @@ answers wrong JSON types with a 500 and parser internals. So before anything rea
 - a `generate` / `generate_stream` body must be a JSON object whose fields fit the model's inputs as Triton
   reports them (`/v2/models/NAME/config`, cached per server start): 400 naming the field otherwise;
 - `/v2/health/ready` is 503 while tritonserver is down or a required peer (the decode server of a `--role
-  prefill` server) is unreachable, with the reasons; `GET /v2/status` says what the guard knows.
-Everything else passes through unchanged, answers streamed back as they come (generate_stream's SSE unbuffered).
+  prefill` server) is unreachable, with the reasons; `GET /v2/status` says what the guard knows;
+- with API keys configured (`mol2 serve --api-key`), every request but the health probes (OPEN_PATHS) must carry
+  `Authorization: Bearer KEY`, else 401 with `WWW-Authenticate: Bearer`; the header is not passed on.
+Everything else passes through unchanged, answers streamed back as they come (generate_stream's SSE unbuffered);
+the client's Accept-Encoding is passed on as it is, none added (a client that asks for no encoding gets none).
+A client that goes away cancels its handler (handler_cancellation), which closes tritonserver's request at once,
+whether its answer was streaming or not yet begun (tritonserver 2.51 does not pass that on to an ensemble step
+already running, so a `mol2` turn runs on to its max_tokens; the OpenAI port cancels the engine's own request).
 A stream whose client reads slower than tritonserver answers is held here, not in tritonserver, up to
 `max_unsent_bytes`; past that it ends with an error event (as does one whose tritonserver went away), logged.
 The metrics port is served here too: Triton's metrics plus the guard's own (restarts, refusals, readiness).
@@ -26,6 +32,7 @@ import re
 import struct
 import termios
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -34,12 +41,15 @@ from aiohttp import web
 from yarl import URL
 
 from ..core.server_errors import STATUS, server_condition
+from .keys import CHALLENGE, ApiKeys
 
 log = logging.getLogger("mol2.guard")
 _GENERATE = re.compile(r"^/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?/generate(?:_stream)?$")
 # Not forwarded either way: hop-by-hop headers, and what aiohttp sets itself for the body it sends.
 _REQUEST_DROPPED = {"connection", "keep-alive", "proxy-authorization", "proxy-connection", "te", "trailer",
                     "transfer-encoding", "upgrade", "host", "content-length", "content-encoding"}
+# Open without an API key, so that orchestrators can probe (everything else needs one when keys are configured).
+OPEN_PATHS = ("/v2/health/live", "/v2/health/ready")
 _RESPONSE_DROPPED = {"connection", "keep-alive", "proxy-authenticate", "te", "trailer", "transfer-encoding", "upgrade"}
 _INTEGERS = {**{f"TYPE_INT{bits}": (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) for bits in (8, 16, 32, 64)},
              **{f"TYPE_UINT{bits}": (0, (1 << bits) - 1) for bits in (8, 16, 32, 64)}}
@@ -266,6 +276,16 @@ def error_status(status: int, answer: bytes) -> int:
     return STATUS[condition] if condition is not None and status < 500 else status
 
 
+def decoded(body: bytes, encoding: str | None) -> bytes:
+    """An answer's body as text to inspect (gzip or deflate undone); b"" when it cannot be."""
+    if not encoding or encoding == "identity":
+        return body
+    try:
+        return zlib.decompress(body, {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}[encoding.lower()])
+    except (KeyError, zlib.error):
+        return b""
+
+
 # -- the proxy ------------------------------------------------------------------------------------------------
 
 
@@ -337,17 +357,21 @@ class Outbox:
 
 
 class Guard:
-    def __init__(self, state: ServerState, limits: GuardLimits = GuardLimits(), config_ttl_s: float = 30.0):
-        self.state, self.limits, self.config_ttl_s = state, limits, config_ttl_s
+    def __init__(self, state: ServerState, limits: GuardLimits = GuardLimits(), config_ttl_s: float = 30.0,
+                 keys: ApiKeys = ApiKeys()):
+        self.state, self.limits, self.config_ttl_s, self.keys = state, limits, config_ttl_s, keys
         self._configs: dict[tuple, tuple[float, dict | None]] = {}  # (generation, model, version) -> (when, config)
         self._session: aiohttp.ClientSession | None = None
 
     async def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
             # Bytes pass as they are (no decompression of answers); no total timeout: a stream lasts the answer. No
-            # idle keep-alive connection either: tritonserver's shutdown would wait for it (15 s).
+            # idle keep-alive connection either: tritonserver's shutdown would wait for it (15 s). No Accept-Encoding
+            # of aiohttp's own: tritonserver compresses what the client did not ask to be compressed (a plain curl
+            # got gzip from /infer).
             connector = aiohttp.TCPConnector(limit=0, force_close=True)
             self._session = aiohttp.ClientSession(auto_decompress=False, connector=connector,
+                                                  skip_auto_headers=("Accept-Encoding",),
                                                   timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         return self._session
 
@@ -368,10 +392,19 @@ class Guard:
 
     def _refuse(self, refusal: Refusal) -> web.Response:
         self.state.refused[refusal.reason] = self.state.refused.get(refusal.reason, 0) + 1
-        return web.json_response({"error": refusal.message}, status=refusal.status)
+        headers = CHALLENGE if refusal.status == 401 else None
+        return web.json_response({"error": refusal.message}, status=refusal.status, headers=headers)
+
+    def _check_key(self, request: web.Request) -> None:
+        if not self.keys or (request.path in OPEN_PATHS and request.method in ("GET", "HEAD")):
+            return
+        authorization = request.headers.get("Authorization")
+        if not self.keys.accepts(authorization):
+            raise Refusal(401, ApiKeys.problem(authorization), "unauthorized")
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         try:
+            self._check_key(request)  # before the body is read: a client without a key costs nothing more
             if request.path == "/v2/health/ready" and request.method in ("GET", "HEAD"):
                 reasons = self.state.not_ready_reasons()
                 if reasons:
@@ -462,7 +495,8 @@ class Guard:
         upstream = self.state.upstream
         if upstream is None:
             return self._unavailable()
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _REQUEST_DROPPED]
+        dropped = _REQUEST_DROPPED | ({"authorization"} if self.keys else set())  # the guard's: not passed on
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in dropped]
         session = await self._client()
         response = None
         try:
@@ -470,11 +504,14 @@ class Guard:
                                        headers=headers, data=body or None, allow_redirects=False) as answer:
                 if answer.status >= 500 or answer.status == 400:  # errors, short: read whole to sort them
                     whole = await answer.read()
-                    refusal = parser_refusal(whole)
+                    encoding = answer.headers.get("Content-Encoding")
+                    plain = decoded(whole, encoding)  # what the client asked compressed is read here uncompressed
+                    refusal = parser_refusal(plain)
                     if refusal is not None:
                         return self._refuse(refusal)
-                    return web.Response(status=error_status(answer.status, whole), body=whole,
-                                        content_type=answer.content_type)
+                    return web.Response(status=error_status(answer.status, plain), body=whole,
+                                        content_type=answer.content_type,
+                                        headers={"Content-Encoding": encoding} if encoding else None)
                 response = web.StreamResponse(status=answer.status, reason=answer.reason)
                 for key, value in answer.headers.items():
                     if key.lower() not in _RESPONSE_DROPPED:
@@ -568,7 +605,10 @@ async def serve_guard(guard: Guard, host: str, http_port: int, metrics_port: int
     for app, port in ((guard.app(), http_port), (guard.metrics_app(), metrics_port)):
         if port is None:
             continue
-        runner = web.AppRunner(app, access_log=None, auto_decompress=True, handle_signals=False)
+        # handler_cancellation: a client that goes away cancels its handler, which closes tritonserver's request
+        # (without it aiohttp lets the handler wait on tritonserver's whole answer, a generate to its max_tokens)
+        runner = web.AppRunner(app, access_log=None, auto_decompress=True, handle_signals=False,
+                               handler_cancellation=True)
         await runner.setup()
         await web.TCPSite(runner, host, port).start()
         runners.append(runner)

@@ -10,18 +10,21 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from pathlib import Path
 
 from ..core import limits
-from .grpc_guard import GrpcGuard, serve_grpc_guard
-from .guard import Guard, GuardLimits, ServerState, serve_guard
-from .launcher import LaunchError, Ports, port_in_use, start
-from .roles import PAIR_SECRET, build_prefill_repository, decode_models, single_server_models
 from ..core.seal import SECRET_VARIABLE, SealError, create_secret_file
 from ..core.settings import ROOT, write_demo_adapter_set
 from ..core.store import StoreHold, StoreInUse, hold_store
+from .grpc_guard import GrpcGuard, serve_grpc_guard
+from .guard import OPEN_PATHS, Guard, GuardLimits, ServerState, serve_guard
+from .keys import ENV_VARIABLE, ApiKeyError, ApiKeys, is_loopback
+from .launcher import LaunchError, Ports, port_in_use, start
+from .roles import PAIR_SECRET, build_prefill_repository, decode_models, single_server_models
 from .supervisor import Peer, Supervisor, free_loopback_port
+
 
 def prepare_demo() -> Path:
     """The served model: the demo every command uses (ced/demo.py), the one the Triton models find too."""
@@ -35,10 +38,11 @@ def prepare_demo() -> Path:
     return model_dir
 
 
-def example_request(ports: Ports) -> str:
+def example_request(ports: Ports, keyed: bool = False) -> str:
     body = json.dumps({"text_input": "Write a Python function that reverses a list.", "max_tokens": 32,
                        "adapter": "coding", "stream": True})
-    return f"curl -sN -X POST http://{ports.http_url}/v2/models/mol2/generate_stream -d '{body}'"
+    key = ' -H "Authorization: Bearer $KEY"' if keyed else ""
+    return f"curl -sN -X POST http://{ports.http_url}/v2/models/mol2/generate_stream{key} -d '{body}'"
 
 
 def role_repository(args: argparse.Namespace) -> tuple[Path, list[str]]:
@@ -117,12 +121,37 @@ def hold(args: argparse.Namespace, public: Ports) -> StoreHold | None:
         raise SystemExit(f"mol2 serve: {error}") from None
 
 
+def api_keys(args: argparse.Namespace) -> ApiKeys:
+    """The keys of --api-key, --api-key-file and MOL2_API_KEY; a one-line warning when a port off this machine takes
+    requests without one."""
+    try:
+        keys = ApiKeys.load(args.api_key, args.api_key_file, os.environ.get(ENV_VARIABLE))
+    except ApiKeyError as error:
+        raise SystemExit(f"mol2 serve: {error}") from None
+    if not keys and not is_loopback(args.host):
+        print(f"mol2 serve: warning: {args.host} is not loopback and no API key is set (--api-key, --api-key-file, "
+              f"{ENV_VARIABLE}): anyone who reaches these ports may use them, adapter loading included",
+              file=sys.stderr, flush=True)
+    return keys
+
+
+def allowed_origins(text: str | None) -> tuple[str, ...]:
+    origins = tuple(origin.strip().rstrip("/") for origin in (text or "").split(",") if origin.strip())
+    if "*" in origins and len(origins) > 1:
+        raise SystemExit("mol2 serve: --allowed-origins is '*' or a list of origins, not both")
+    bad = [origin for origin in origins if origin != "*" and "://" not in origin]
+    if bad:
+        raise SystemExit(f"mol2 serve: --allowed-origins: {bad[0]!r} is not an origin (scheme://host[:port])")
+    return origins
+
+
 def serve(args: argparse.Namespace) -> None:
     """`mol2 serve` (its options: python_backend/server/cli.py)."""
     args.max_body_bytes = GuardLimits.max_body_bytes if args.max_body_bytes is None else args.max_body_bytes
     args.max_json_depth = GuardLimits.max_json_depth if args.max_json_depth is None else args.max_json_depth
     args.max_unsent_bytes = GuardLimits.max_unsent_bytes if args.max_unsent_bytes is None else args.max_unsent_bytes
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    args.keys, args.origins = api_keys(args), allowed_origins(args.allowed_origins)
     public = Ports(args.http_port, args.grpc_port, args.metrics_port, args.host)
     busy = [port for port in (public.http, public.grpc, public.metrics) if port_in_use(public.host, port)]
     if busy:
@@ -154,7 +183,11 @@ def serve(args: argparse.Namespace) -> None:
                    "max_unsent_bytes": args.max_unsent_bytes,
                    **{name[5:].lower(): value for name, value in env.items() if name.startswith("MOL2_MAX")
                       or name == "MOL2_IDLE_TIMEOUT_S"}}})
-    guard = Guard(state, GuardLimits(args.max_body_bytes, args.max_json_depth, args.max_unsent_bytes))
+    guard = Guard(state, GuardLimits(args.max_body_bytes, args.max_json_depth, args.max_unsent_bytes),
+                  keys=args.keys)
+    if args.keys:
+        print(f"API keys: {len(args.keys)}, asked on the HTTP port (open: {', '.join(OPEN_PATHS)}) and the OpenAI "
+              "port (open: /health); the gRPC and metrics ports take none", flush=True)
     grpc_guard = GrpcGuard(state, f"127.0.0.1:{internal_grpc}", args.max_grpc_message_bytes)
     supervisor = Supervisor(state, launch, internal_grpc, peers)
     try:
@@ -177,15 +210,17 @@ def start_openai(args: argparse.Namespace, public: Ports, grpc: str):
     # the model and adapter set: resolved as the engine resolves them (the same MOL2_* variables)
     settings = OpenAISettings(grpc, adapters_root=Path(args.adapters_root) if args.adapters_root else None,
                               max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
-                              max_json_depth=args.max_json_depth, max_unsent_bytes=args.max_unsent_bytes)
+                              max_json_depth=args.max_json_depth, max_unsent_bytes=args.max_unsent_bytes,
+                              api_keys=args.keys, allowed_origins=args.origins)
     try:
         front = OpenAIServer(settings, public.host, args.openai_port).start()
     except RuntimeError as error:
         raise LaunchError(str(error)) from None
     body = json.dumps({"model": "coding", "messages": [{"role": "user", "content": "Reverse a list in Python."}],
                        "max_tokens": 32})
+    key = ' -H "Authorization: Bearer $KEY"' if args.keys else ""
     print(f"OpenAI API: {front.url}/v1  (models: {front.url}/v1/models, metrics: {front.url}/metrics)\n  curl -s "
-          f"{front.url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'", flush=True)
+          f"{front.url}/v1/chat/completions -H 'Content-Type: application/json'{key} -d '{body}'", flush=True)
     return front
 
 
@@ -214,7 +249,7 @@ async def _serve(args: argparse.Namespace, public: Ports, guard: Guard, grpc_gua
                   f"http://{public.host}:{public.metrics}/metrics  status http://{public.http_url}/v2/status",
                   flush=True)
             if args.role != "decode":
-                print(f"try:\n  {example_request(public)}", flush=True)
+                print(f"try:\n  {example_request(public, bool(args.keys))}", flush=True)
             front = await asyncio.to_thread(start_openai, args, public, grpc_guard.upstream)
             if args.ready_only:
                 stopping.set()

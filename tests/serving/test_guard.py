@@ -3,7 +3,8 @@ the depth limit 400 before anything reaches tritonserver; generate fields of the
 field; everything else, streams included, passes through unchanged and unbuffered; a stream whose client falls
 more than max_unsent_bytes behind, or whose tritonserver goes away, ends with an error event and a log line;
 readiness is 503 with its reason while tritonserver is down or the decode peer is unreachable; a server that dies
-is restarted and counted.
+is restarted and counted; with API keys every request but the health probes needs one (401 otherwise); an answer is
+compressed only when the client asked; a client that leaves a generate closes tritonserver's request.
 tests/serving/test_serve_cli.py runs the same through a real `mol2 serve`."""
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from python_backend.server.guard import Guard, GuardLimits, Refusal, ServerState, check_generate, error_status, json_depth
+from python_backend.server.guard import (Guard, GuardLimits, Refusal, ServerState, check_generate, error_status,
+                                        json_depth, serve_guard)
+from python_backend.server.keys import ApiKeys
 from python_backend.server.launcher import LaunchError
 from python_backend.server.supervisor import Peer, Supervisor
 
@@ -89,8 +92,14 @@ def fake_triton(hits: list, release: asyncio.Event) -> web.Application:
 
     async def generate(request):
         hits.append(request.path)
-        return web.json_response({"echo": await request.json(), "encoding": request.headers.get("Content-Encoding")},
+        return web.json_response({"echo": await request.json(), "encoding": request.headers.get("Content-Encoding"),
+                                  "authorization": request.headers.get("Authorization")},
                                  headers={"X-Upstream": "yes"})
+
+    async def compressible(request):  # as tritonserver's /infer: compressed when the request's Accept-Encoding asks
+        response = web.json_response({"outputs": [{"name": "x", "data": ["y" * 200]}]})
+        response.enable_compression()
+        return response
 
     async def stream(request):
         hits.append(request.path)
@@ -117,8 +126,10 @@ def fake_triton(hits: list, release: asyncio.Event) -> web.Application:
         return web.Response(text="nv_inference_count 3\n")
 
     async def parser_500(request):  # tritonserver's words for a body it cannot parse, with its (wrong) status
-        return web.Response(status=500, text='{"error":"Unable to parse \'parameters\': expected JSON object"}',
-                            content_type="application/json")
+        response = web.Response(status=500, text='{"error":"Unable to parse \'parameters\': expected JSON object"}',
+                                content_type="application/json")
+        response.enable_compression()  # when asked
+        return response
 
     async def real_500(request):
         return web.Response(status=500, text='{"error":"the model crashed"}', content_type="application/json")
@@ -131,6 +142,7 @@ def fake_triton(hits: list, release: asyncio.Event) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v2/models/m/infer", parser_500)
     app.router.add_post("/v2/models/crashing/infer", real_500)
+    app.router.add_post("/v2/models/route/infer", compressible)
     app.router.add_route("*", "/{tail:.*}", other)
     return app
 
@@ -139,12 +151,12 @@ def run(coroutine):
     return asyncio.run(coroutine)
 
 
-async def guarded(limits=GuardLimits(max_body_bytes=1 << 20, max_json_depth=64)):
+async def guarded(limits=GuardLimits(max_body_bytes=1 << 20, max_json_depth=64), keys=ApiKeys()):
     hits, release = [], asyncio.Event()
     upstream = TestServer(fake_triton(hits, release))
     await upstream.start_server()
     state = ServerState(upstream=f"127.0.0.1:{upstream.port}", upstream_metrics=f"127.0.0.1:{upstream.port}")
-    guard = Guard(state, limits)
+    guard = Guard(state, limits, keys=keys)
     client = TestClient(TestServer(guard.app()))
     await client.start_server()
     metrics = TestClient(TestServer(guard.metrics_app()))
@@ -187,7 +199,7 @@ def test_the_guard_refuses_what_would_hurt_and_passes_the_rest():
             answer = await client.post("/v2/models/m/generate", data=gzip.compress(json.dumps(body).encode()),
                                        headers={"Content-Encoding": "gzip"})
             assert answer.status == 200 and answer.headers["X-Upstream"] == "yes"
-            assert await answer.json() == {"echo": body, "encoding": None}  # forwarded decompressed
+            assert await answer.json() == {"echo": body, "encoding": None, "authorization": None}  # decompressed
             answer = await client.get("/v2/models/m/other?x=a%20b")  # status, body and query as they are
             assert answer.status == 400
             assert await answer.text() == '{"error": "upstream GET /v2/models/m/other?x=a%20b"}'
@@ -213,9 +225,11 @@ def test_tritonservers_500_for_a_body_it_cannot_parse_reaches_the_client_as_400(
     async def main():
         client, metrics, upstream, state, hits, release = await guarded()
         try:
-            answer = await client.post("/v2/models/m/infer", data=b'{"inputs": [], "parameters": [1]}')
-            assert answer.status == 400
-            assert await answer.json() == {"error": "Unable to parse 'parameters': expected JSON object"}
+            for encoding in ("identity", "gzip"):  # read through the compression the client asked for
+                answer = await client.post("/v2/models/m/infer", data=b'{"inputs": [], "parameters": [1]}',
+                                           headers={"Accept-Encoding": encoding})
+                assert answer.status == 400
+                assert await answer.json() == {"error": "Unable to parse 'parameters': expected JSON object"}
             answer = await client.post("/v2/models/crashing/infer", data=b'{"inputs": []}')
             assert answer.status == 500 and await answer.json() == {"error": "the model crashed"}  # not the client's
         finally:
@@ -234,6 +248,55 @@ def test_tritonservers_500_for_a_body_it_cannot_parse_reaches_the_client_as_400(
 def test_tritonservers_400_for_a_server_condition_the_engine_marked_is_its_5xx(message, status):
     assert error_status(400, json.dumps({"error": message}).encode()) == status
     assert error_status(400, b"not json") == 400 and error_status(502, b'{"error": "storage full: x"}') == 502
+
+
+def test_with_keys_every_request_but_the_health_probes_needs_one():
+    async def main():
+        client, metrics, upstream, state, hits, release = await guarded(keys=ApiKeys.of(["k-one", "k-two"]))
+        try:
+            body = json.dumps({"text_input": "hi"})
+            for headers, message in (({}, "this server needs an API key: send it as the header 'Authorization: "
+                                          "Bearer KEY'"),
+                                     ({"Authorization": "Bearer k-on"}, "the API key is not valid"),
+                                     ({"Authorization": "Basic k-one"}, "the Authorization header must be 'Bearer "
+                                                                        "KEY'")):
+                for method, path in (("POST", "/v2/models/m/generate"), ("GET", "/v2/models/m/config"),
+                                     ("POST", "/v2/repository/models/m/load"), ("GET", "/v2/status"),
+                                     ("GET", "/v2/health/other")):
+                    answer = await client.request(method, path, data=body, headers=headers)
+                    assert answer.status == 401 and answer.headers["WWW-Authenticate"] == "Bearer", (path, headers)
+                    assert await answer.json() == {"error": message}  # Triton's shape
+            assert hits == [] and state.refused == {"unauthorized": 15}
+            for path in ("/v2/health/ready", "/v2/health/live"):  # open: tritonserver's own answer
+                assert (await client.get(path)).status == 400 and hits[-1] == path
+            answer = await client.post("/v2/models/m/generate", data=body, headers={"Authorization": "Bearer k-two"})
+            assert answer.status == 200
+            assert (await answer.json())["authorization"] is None  # the guard's header: not passed on
+            text = await (await metrics.get("/metrics")).text()
+            assert 'mol2_guard_refused_total{reason="unauthorized"} 15' in text
+        finally:
+            await client.close(), await metrics.close(), await upstream.close()
+
+    run(main())
+
+
+def test_an_answer_is_compressed_only_when_the_client_asks():
+    async def main():
+        client, metrics, upstream, state, hits, release = await guarded()
+        try:
+            # aiohttp's client adds Accept-Encoding of its own: left out, the request is a plain curl's
+            answer = await client.post("/v2/models/route/infer", data=b"{}", skip_auto_headers=("Accept-Encoding",),
+                                       auto_decompress=False)
+            assert "Content-Encoding" not in answer.headers
+            assert json.loads(await answer.read())["outputs"][0]["data"] == ["y" * 200]
+            answer = await client.post("/v2/models/route/infer", data=b"{}", headers={"Accept-Encoding": "gzip"},
+                                       auto_decompress=False)
+            assert answer.headers["Content-Encoding"] == "gzip"
+            assert json.loads(gzip.decompress(await answer.read()))["outputs"][0]["data"] == ["y" * 200]
+        finally:
+            await client.close(), await metrics.close(), await upstream.close()
+
+    run(main())
 
 
 def test_a_body_that_does_not_decompress_is_a_400():
@@ -324,6 +387,82 @@ def test_a_slow_reader_gets_an_error_event_and_the_guard_holds_at_most_max_unsen
     sent = sum(len(event) + len(b"data: \n\n") for event in events[:-1])
     assert limit < unsent <= limit + (64 << 10) and sent <= unsent + (16 << 10), (sent, unsent)
     assert "ended early, with this error event: this stream was ended because its client reads too slowly" in caplog.text
+
+
+@pytest.mark.parametrize("endpoint", ["generate", "generate_stream"])
+def test_a_client_that_leaves_closes_tritonservers_request_at_once(endpoint):
+    """Through the guard as `mol2 serve` runs it (serve_guard): tritonserver still working on an answer (nothing
+    sent yet, or a stream in its middle) when the client leaves; the guard's handler is cancelled and closes its
+    request to tritonserver at once. (Before, a generate's handler waited on tritonserver's whole answer.) Whether
+    tritonserver then stops the model is its own affair: see docs/openai_api_additions.md."""
+
+    async def main():
+        closed = asyncio.Event()
+
+        async def slow(request):  # tritonserver generating a long answer
+            try:
+                response = None
+                if endpoint == "generate_stream":
+                    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                    await response.prepare(request)
+                    await response.write(b'data: {"text_output": "a"}\n\n')
+                await asyncio.sleep(60)
+                return response or web.json_response({"text_output": "a" * 100})
+            except asyncio.CancelledError:  # its client (the guard) went away
+                closed.set()
+                raise
+
+        async def config(request):
+            return web.json_response(CONFIG)
+
+        app = web.Application()
+        app.router.add_get("/v2/models/m/config", config)
+        app.router.add_post(f"/v2/models/m/{endpoint}", slow)
+        upstream = TestServer(app)  # aiohttp's test server cancels a handler whose client left
+        await upstream.start_server()
+        port = closed_port()
+        runners = await serve_guard(Guard(ServerState(upstream=f"127.0.0.1:{upstream.port}")), "127.0.0.1", port,
+                                    None)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            body = b'{"text_input": "hi", "max_tokens": 4096}'
+            writer.write(b"POST /v2/models/m/%s HTTP/1.1\r\nHost: guard\r\nContent-Length: %d\r\n\r\n"
+                         % (endpoint.encode(), len(body)) + body)
+            await asyncio.sleep(0.5)
+            assert not closed.is_set()
+            writer.transport.abort()  # the client leaves
+            left = time.monotonic()
+            await asyncio.wait_for(closed.wait(), 10)
+            return time.monotonic() - left
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+            await upstream.close()
+
+    assert run(main()) < 1.0
+
+
+def test_a_plain_request_gets_a_plain_answer_from_tritonserver_through_the_guard(server):
+    """A curl without Accept-Encoding to an /infer of the real server: plain JSON, as from tritonserver's own port."""
+    body = json.dumps({"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES",
+                                   "data": ["hello " * 100]}]}).encode()
+
+    async def main():
+        guard = TestServer(Guard(ServerState(upstream=server.http_url)).app())
+        await guard.start_server()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", guard.port)
+            writer.write(b"POST /v2/models/route/infer HTTP/1.1\r\nHost: guard\r\nConnection: close\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            answer = await asyncio.wait_for(reader.read(), 60)
+            writer.close()
+            return answer
+        finally:
+            await guard.close()
+
+    head, _, rest = run(main()).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"content-encoding" not in head.lower(), head
+    assert b'"name":"adapter"' in rest  # readable as it is
 
 
 def test_readiness_follows_tritonserver_and_the_status_says_why():

@@ -38,6 +38,7 @@ class AdapterManager:
         self.max_adapters = max_adapters
         self._checker = _weightless_registry(model_dir, max_adapters, max_rank)
         self.max_context = self._checker.config.max_context
+        self.vocab_size = self._checker.config.vocab_size
         self._lock = threading.Lock()  # one rewrite at a time (the app may run handlers on several threads)
 
     def current(self) -> AdapterSet:

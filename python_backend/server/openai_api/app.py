@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI's chat / completions / models endpoints, vLLM's adapter management, Prometheus metrics.
+"""The FastAPI app: OpenAI's chat / completions / models endpoints, vLLM's adapter management, /tokenize,
+/detokenize and /version, Prometheus metrics; the keys, CORS and the access log (middleware.py) around them.
 
 Bodies are read raw and validated by the models of schema.py, so every client mistake (malformed JSON, a field of
 the wrong type or out of range, an unknown model) gets OpenAI's error shape with a 4xx code, never FastAPI's 422.
@@ -6,6 +7,8 @@ What a request may cost is bounded before it costs it: a body over max_body_byte
 JSON nested deeper than max_json_depth before it is parsed, and a prompt whose UTF-8 bytes cannot fit in
 max_prompt_tokens (at most the tokenizer's longest token per token) before the engine tokenizes it. A streamed
 answer's backlog is bounded too (streaming.py). Anything unexpected is a 500, logged with its traceback.
+A client that goes away frees its engine row: a stream's by starlette's disconnect watch (streaming.py), a
+non-streamed answer's by `unless_client_leaves`, which cancels the engine's gRPC stream (logged and counted as 499).
 """
 
 from __future__ import annotations
@@ -13,30 +16,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib.metadata
 import logging
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Awaitable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.middleware.cors import CORSMiddleware
 
-from ced.tokenization import ChatTokenizer
+from ced.tokenization import ChatTokenizer, check_messages
 
-from ..guard import GuardLimits
 from ...core.limits import LimitError, Limits
 from ...core.settings import ServingSettings
+from ..guard import GuardLimits
+from ..keys import ApiKeys
 from . import openapi
 from .adapters import AdapterManager
 from .engine_client import EngineClient, EngineRequest
 from .generation import Generation
 from .metrics import SERVED, Metrics
-from .schema import (APIError, ChatCompletionRequest, CompletionRequest, LoadAdapterRequest, UnloadAdapterRequest,
-                     parse_body)
+from .middleware import CLIENT_GONE, OPEN_PATHS, AccessLog, RequireKey, Unexpected
+from .schema import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadAdapterRequest,
+                     TokenizeRequest, UnloadAdapterRequest, parse_body)
 from .streaming import EventStream, sse
 
 AUTO = "auto"  # routed by MoL2 inside the engine
@@ -62,6 +69,8 @@ class OpenAISettings:
     # each connection's SO_SNDBUF (the kernel doubles it): small, so a slow client's backlog waits where
     # max_unsent_bytes sees it, not in a kernel buffer autotuned up to 4 MiB; None: the kernel's default
     send_buffer_bytes: int | None = 64 << 10
+    api_keys: ApiKeys = ApiKeys()  # a request must carry one (Authorization: Bearer KEY); none: every request passes
+    allowed_origins: tuple[str, ...] = ()  # CORS: origins whose pages may call this API ("*": any); none: no CORS
 
 
 def resolve_model(name: str, manager: AdapterManager) -> str | None:
@@ -117,33 +126,41 @@ class PromptBound:
             raise APIError(400, str(error), field, "context_length_exceeded") from None
 
 
-class Unexpected:
-    """Whatever no handler expected: a 500 in OpenAI's shape, logged once with the request and its traceback.
-    (Starlette's own catch-all would answer and then re-raise it for uvicorn to log again, without the request.)
-    Once an answer has started its status cannot change: the connection is cut, so the client sees it unfinished."""
+class ClientGone(Exception):
+    """The client closed its connection before its answer was ready: the engine's request was cancelled."""
 
-    def __init__(self, app: ASGIApp):
-        self.app = app
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        started = False
+T = TypeVar("T")
 
-        async def watched(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
 
-        try:
-            await self.app(scope, receive, watched)
-        except Exception as error:  # noqa: BLE001 - the point of this middleware
-            log.error("%s %s failed: %s: %s", scope["method"], scope["path"], type(error).__name__, error,
-                      exc_info=error)
-            if not started:
-                answer = APIError(500, f"{type(error).__name__}: {error} (logged)", code="internal_error")
-                await JSONResponse(answer.body(), status_code=500)(scope, receive, send)
-            # else: returning unfinished makes uvicorn close the connection
+async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
+    """`work`, cancelled as soon as the client disconnects (then ClientGone). Once the body is read, what uvicorn's
+    `receive` has left to say is the disconnect; cancelling `work` ends the engine's gRPC stream (engine_client.py),
+    which the engine sees at its next cancellation check (every 50 ms) and drops the row at its next step."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # this handler cancelled itself: neither may outlive it
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    if not task.cancelled():
+        return task.result()
+    raise ClientGone
+
+
+def model_version() -> str:
+    try:
+        return importlib.metadata.version("mol2-triton")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def create_app(settings: OpenAISettings) -> FastAPI:
@@ -161,7 +178,11 @@ def create_app(settings: OpenAISettings) -> FastAPI:
                                                 settings.max_rank or served.max_rank)
             limits = served.limits if settings.max_prompt_tokens is None else \
                 dataclasses.replace(served.limits, max_prompt_tokens=settings.max_prompt_tokens)
-            app.state.prompt_bound = PromptBound(limits, ChatTokenizer(app.state.model_dir).max_token_bytes)
+            app.state.tokenizer = ChatTokenizer(app.state.model_dir)
+            app.state.prompt_bound = PromptBound(limits, app.state.tokenizer.max_token_bytes)
+            # the limit that holds for prompt + answer: a prompt over max_prompt_tokens is refused, and a
+            # conversation stops at the model's max_context (so any prompt + max_tokens within the lesser is served)
+            app.state.max_model_len = min(app.state.adapters.max_context, limits.max_prompt_tokens)
         except Exception as error:
             app.state.startup_error = error  # uvicorn only logs it; OpenAIServer.start reports it
             await engine.close()
@@ -174,11 +195,17 @@ def create_app(settings: OpenAISettings) -> FastAPI:
         finally:
             await engine.close()
 
-    app = FastAPI(title="mol2 OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="mol2 OpenAI-compatible API", version=model_version(), lifespan=lifespan, docs_url=None,
+                  redoc_url=None)
+    app.state.metrics = None  # until the app starts
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):
         return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, error: ClientGone):
+        return Response(status_code=CLIENT_GONE)  # nobody reads it: for the access log and the error metric
 
     @app.exception_handler(RequestValidationError)
     async def request_validation(request: Request, error: RequestValidationError):
@@ -190,30 +217,50 @@ def create_app(settings: OpenAISettings) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException):
         message = (f"no route {request.method} {request.url.path} (see GET /v1/models; the endpoints are "
-                   "/v1/chat/completions, /v1/completions, /v1/models, /v1/load_lora_adapter, "
-                   "/v1/unload_lora_adapter, /metrics)") if error.status_code in (404, 405) else str(error.detail)
+                   "/v1/chat/completions, /v1/completions, /v1/models, /v1/models/{id}, /v1/load_lora_adapter, "
+                   "/v1/unload_lora_adapter, /tokenize, /detokenize, /version, /metrics, /health)") \
+            if error.status_code in (404, 405) else str(error.detail)
         return JSONResponse(APIError(error.status_code, message, code="not_found").body(),
                             status_code=error.status_code)
 
+    # innermost first (each add_middleware wraps what is there): see middleware.py
     app.add_middleware(Unexpected)
+    if settings.api_keys:
+        app.add_middleware(RequireKey, keys=settings.api_keys)
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], max_age=600)
+    app.add_middleware(AccessLog, metrics=lambda: app.state.metrics)
+    keyed = (401,) if settings.api_keys else ()  # declared where it can happen
 
     async def parsed(request: Request, model):
-        return parse_body(model, await read_body(request, settings.max_body_bytes), settings.max_json_depth)
+        body = parse_body(model, await read_body(request, settings.max_body_bytes), settings.max_json_depth)
+        request.state.model = getattr(body, "model", None)
+        return body
+
+    async def answer(request: Request, generation: Generation, stream: bool, build):
+        """The engine's answer: sent whole by `build(text)` once generated, or streamed (`build` is then the
+        events). Waiting on the engine ends when the client leaves."""
+        request.state.generation = generation
+        await unless_client_leaves(request, generation.start())
+        if not stream:
+            return build(await unless_client_leaves(request, generation.text()))
+        return EventStream(_guarded(build()), generation.request_id, settings.max_unsent_bytes)
 
     # -- generation -----------------------------------------------------------------------------------------------
 
     @app.post("/v1/chat/completions", openapi_extra=openapi.request_body(ChatCompletionRequest),
-              responses=openapi.errors(400, 404, 413, 500, 503, 507))
+              responses=openapi.errors(400, *keyed, 404, 413, 500, 503, 507))
     async def chat_completions(request: Request):
         body = await parsed(request, ChatCompletionRequest)
         app.state.prompt_bound.check("messages", [message.text() for message in body.messages])
         adapter = resolve_model(body.model, app.state.adapters)
         generation = Generation(app.state.engine, app.state.metrics,
                                 _engine_request(body, adapter, messages=body.engine_messages()), body.stops, body.model)
-        await generation.start()
         answer_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        if not body.stream:
-            text = await generation.text()
+        generation.request_id = answer_id
+
+        def whole(text: str) -> dict:
             return {"id": answer_id, "object": "chat.completion", "created": created, "model": generation.model,
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                                  "finish_reason": generation.finish_reason}],
@@ -237,24 +284,23 @@ def create_app(settings: OpenAISettings) -> FastAPI:
                 yield sse({"id": answer_id, "object": "chat.completion.chunk", "created": created,
                            "model": generation.model, "choices": [], "usage": generation.usage()})
 
-        return EventStream(_guarded(events()), answer_id, settings.max_unsent_bytes)
+        return await answer(request, generation, body.stream, events if body.stream else whole)
 
     @app.post("/v1/completions", openapi_extra=openapi.request_body(CompletionRequest),
-              responses=openapi.errors(400, 404, 413, 500, 503, 507))
+              responses=openapi.errors(400, *keyed, 404, 413, 500, 503, 507))
     async def completions(request: Request):
         body = await parsed(request, CompletionRequest)
         app.state.prompt_bound.check("prompt", [body.prompt])
         adapter = resolve_model(body.model, app.state.adapters)
         generation = Generation(app.state.engine, app.state.metrics,
                                 _engine_request(body, adapter, prompt=body.prompt), body.stops, body.model)
-        await generation.start()
         answer_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        generation.request_id = answer_id
 
         def choice(text: str, finish_reason: str | None) -> dict:
             return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
-        if not body.stream:
-            text = await generation.text()
+        def whole(text: str) -> dict:
             return {"id": answer_id, "object": "text_completion", "created": created, "model": generation.model,
                     "choices": [choice(text, generation.finish_reason)], "usage": generation.usage(),
                     "system_fingerprint": None}
@@ -274,25 +320,35 @@ def create_app(settings: OpenAISettings) -> FastAPI:
             if body.include_usage:
                 yield chunk([], generation.usage())
 
-        return EventStream(_guarded(events()), answer_id, settings.max_unsent_bytes)
+        return await answer(request, generation, body.stream, events if body.stream else whole)
 
     # -- models and adapters --------------------------------------------------------------------------------------
 
-    @app.get("/v1/models", responses=openapi.errors(500))
-    async def models():
+    def cards() -> list[dict]:
         manager: AdapterManager = app.state.adapters
-        created = app.state.created
 
         def card(name: str, parent: str | None, root: str) -> dict:
-            return {"id": name, "object": "model", "created": created, "owned_by": "mol2", "root": root,
-                    "parent": parent, "max_model_len": manager.max_context}
+            return {"id": name, "object": "model", "created": app.state.created, "owned_by": "mol2", "root": root,
+                    "parent": parent, "max_model_len": app.state.max_model_len}
 
-        cards = [card(SERVED, None, str(app.state.model_dir)), card(AUTO, SERVED, "routed by MoL2")]
-        cards += [card(entry.name, SERVED, entry.path) for entry in manager.current().adapters]
-        return {"object": "list", "data": cards}
+        return [card(SERVED, None, str(app.state.model_dir)), card(AUTO, SERVED, "routed by MoL2"),
+                *(card(entry.name, SERVED, entry.path) for entry in manager.current().adapters)]
+
+    @app.get("/v1/models", responses=openapi.errors(*keyed, 500))
+    async def models():
+        return {"object": "list", "data": cards()}
+
+    @app.get("/v1/models/{model_id:path}", responses=openapi.errors(*keyed, 404, 500))
+    async def model(model_id: str):
+        found = next((card for card in cards() if card["id"] == model_id), None)
+        if found is None:
+            offered = ", ".join(card["id"] for card in cards())
+            raise APIError(404, f"the model {model_id!r} does not exist; this server offers: {offered}", "model",
+                           "model_not_found")
+        return found
 
     @app.post("/v1/load_lora_adapter", openapi_extra=openapi.request_body(LoadAdapterRequest),
-              responses=openapi.errors(400, 413, 500))
+              responses=openapi.errors(400, *keyed, 413, 500))
     async def load_lora_adapter(request: Request):
         body = await parsed(request, LoadAdapterRequest)
         # off the event loop: the checks read the adapter's weights while other requests stream
@@ -300,13 +356,55 @@ def create_app(settings: OpenAISettings) -> FastAPI:
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", openapi_extra=openapi.request_body(UnloadAdapterRequest),
-              responses=openapi.errors(400, 404, 413, 500))
+              responses=openapi.errors(400, *keyed, 404, 413, 500))
     async def unload_lora_adapter(request: Request):
         body = await parsed(request, UnloadAdapterRequest)
         await asyncio.to_thread(app.state.adapters.unload, body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
-    @app.get("/metrics")
+    # -- tokens -----------------------------------------------------------------------------------------------------
+
+    @app.post("/tokenize", openapi_extra=openapi.request_body(TokenizeRequest),
+              responses=openapi.errors(400, *keyed, 404, 413, 500))
+    async def tokenize(request: Request):
+        """vLLM's: the tokens the engine would see for this prompt or these messages (the same chat rendering)."""
+        body = await parsed(request, TokenizeRequest)
+        if body.model is not None:
+            resolve_model(body.model, app.state.adapters)
+        tokenizer: ChatTokenizer = app.state.tokenizer
+        if body.messages is not None:
+            app.state.prompt_bound.check("messages", [message.text() for message in body.messages])
+            try:
+                messages = check_messages(body.engine_messages())  # what the engine checks, in its words
+            except ValueError as error:
+                raise APIError(400, str(error), "messages", "invalid_value") from None
+            tokens = (await asyncio.to_thread(tokenizer.render, messages))[0]
+        else:
+            app.state.prompt_bound.check("prompt", [body.prompt])
+            tokens = await asyncio.to_thread(tokenizer.completion_prompt if body.add_special_tokens else
+                                             tokenizer.encode, body.prompt)
+        return {"count": len(tokens), "max_model_len": app.state.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize", openapi_extra=openapi.request_body(DetokenizeRequest),
+              responses=openapi.errors(400, *keyed, 404, 413, 500))
+    async def detokenize(request: Request):
+        body = await parsed(request, DetokenizeRequest)
+        if body.model is not None:
+            resolve_model(body.model, app.state.adapters)
+        vocabulary = app.state.adapters.vocab_size
+        wrong = next((i for i, token in enumerate(body.tokens) if not 0 <= token < vocabulary), None)
+        if wrong is not None:
+            raise APIError(400, f"tokens[{wrong}]: {body.tokens[wrong]} is not a token id of this model (0 to "
+                                f"{vocabulary - 1})", f"tokens[{wrong}]", "invalid_value")
+        return {"prompt": await asyncio.to_thread(app.state.tokenizer.decode, body.tokens)}
+
+    # -- the server -----------------------------------------------------------------------------------------------
+
+    @app.get("/version", responses=openapi.errors(*keyed))
+    async def version():
+        return {"version": app.version}
+
+    @app.get("/metrics", responses=openapi.errors(*keyed))
     async def metrics():
         return Response(app.state.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -314,7 +412,8 @@ def create_app(settings: OpenAISettings) -> FastAPI:
     async def health():
         return Response(status_code=200)
 
-    openapi.install(app, [ChatCompletionRequest, CompletionRequest, LoadAdapterRequest, UnloadAdapterRequest])
+    openapi.install(app, [ChatCompletionRequest, CompletionRequest, LoadAdapterRequest, UnloadAdapterRequest,
+                          TokenizeRequest, DetokenizeRequest], bearer=bool(settings.api_keys), open_paths=OPEN_PATHS)
     return app
 
 

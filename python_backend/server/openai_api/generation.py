@@ -1,5 +1,6 @@
-"""One request's run through the engine: its deltas cut at the first stop string, the counts that `usage` and the
-metrics report, and the request's place in the running / waiting lists."""
+"""One request's run through the engine: its deltas cut at the first stop string, the counts that `usage`, the
+metrics and the access log report, and the request's place in the running / waiting lists. A failure is counted
+by the access log (middleware.py), from the HTTP status or, after the first byte of a stream, from `failure`."""
 
 from __future__ import annotations
 
@@ -57,8 +58,11 @@ class Generation:
         self.matcher = StopMatcher(stops)
         self.started = time.perf_counter()
         self.model = requested  # the adapter that answers, once known
+        self.request_id = ""  # the answer's id (chatcmpl-..., cmpl-...), for log lines
         self.prompt_tokens = self.cached_tokens = self.completion_tokens = self.replayed = 0
         self.finish_reason: str | None = None
+        self.ttft_s: float | None = None  # seconds from arrival to the first token
+        self.failure: int | None = None  # the status of an error that ended the answer after its first byte
         self._deltas = None
         self._first = None
 
@@ -72,15 +76,13 @@ class Generation:
             self._first = await anext(self._deltas)
         except StopAsyncIteration:
             self.metrics.done(key)
-            self.metrics.failed(self.requested, 500)
             raise APIError(500, "the engine ended the request without a response", code="engine_error") from None
-        except BaseException as error:  # refused, or the client went away while it waited
+        except BaseException:  # refused, or the client went away while it waited
             self.metrics.done(key)
-            if isinstance(error, APIError):
-                self.metrics.failed(self.requested, error.status)
             raise
         self.model = model_name(self._first.adapter)
-        self.metrics.first_token(key, self.model, time.perf_counter() - self.started)
+        self.ttft_s = time.perf_counter() - self.started
+        self.metrics.first_token(key, self.model, self.ttft_s)
 
     async def pieces(self) -> AsyncIterator[str]:
         """The answer's text, piece by piece; afterwards `finish_reason` and the counts are set."""
@@ -110,7 +112,7 @@ class Generation:
             self.metrics.finished(self.model, self.finish_reason, self.prompt_tokens, self.completion_tokens,
                                   self.cached_tokens, self.replayed)
         except APIError as error:
-            self.metrics.failed(self.model, error.status)
+            self.failure = error.status
             raise
         finally:
             await self._deltas.aclose()  # cancels the engine's request if it is still running (a stop string)

@@ -273,3 +273,33 @@ class LoadAdapterRequest(_Strict):
 class UnloadAdapterRequest(_Strict):
     lora_name: str = Field(min_length=1)
     lora_int_id: int | None = None  # vLLM's; ignored
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's POST /tokenize: a `prompt` (as /v1/completions takes it) or `messages` (as /v1/chat/completions
+    renders them), tokenized as the engine tokenizes them."""
+
+    model: str | None = None  # checked when given: an unknown model is a 404, as elsewhere
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True  # prompt: <|bos|> first, as /v1/completions does (a trained tokenizer's)
+    add_generation_prompt: Literal[True] = True  # messages end in the assistant's marker, as a chat request's do
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give prompt or messages, one of them", "prompt" if self.prompt is None else
+                           "messages", "invalid_value")
+        if self.messages == []:
+            raise APIError(400, "messages: give at least one message", "messages", "invalid_value")
+        return self
+
+    def engine_messages(self) -> list[dict]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's POST /detokenize: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
