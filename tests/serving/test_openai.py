@@ -176,6 +176,12 @@ def test_unknown_model_is_a_404_and_n_above_one_a_400(client):
     ({"model": "chat", "messages": [{"role": "assistant", "content": "hi"}]}, "messages"),
     ({"model": "chat", "messages": HELLO, "tools": [{"type": "function"}]}, "tools"),
     ({"messages": HELLO}, "model"),
+    ({"model": "chat", "messages": HELLO, "presence_penalty": 2.5}, "presence_penalty"),
+    ({"model": "chat", "messages": HELLO, "repetition_penalty": 0}, "repetition_penalty"),
+    ({"model": "chat", "messages": HELLO, "min_p": 1.5}, "min_p"),
+    ({"model": "chat", "messages": HELLO, "stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"model": "chat", "messages": HELLO, "guided_json": {"type": "object"}}, "guided_json"),
+    ({"model": "chat", "messages": HELLO, "structured_outputs": {"choice": ["a"]}}, "structured_outputs"),
 ])
 def test_bad_fields_get_an_openai_error_naming_them(front, body, param):
     status, text = post(front.url, "/v1/chat/completions", body)
@@ -191,6 +197,23 @@ def test_bad_fields_get_an_openai_error_naming_them(front, body, param):
 def test_malformed_bodies_and_unknown_routes(front, path, body, status):
     answer_status, text = post(front.url, path, body)
     assert answer_status == status and set(json.loads(text)["error"]) == {"message", "type", "param", "code"}, text
+
+
+def test_penalties_and_vllms_sampling_extras_change_the_answer(client, tokenizer):
+    """presence / frequency penalties (OpenAI's) and repetition_penalty, min_p, min_tokens, stop_token_ids (vLLM's)
+    reach the engine: each changes the answer as it says (they were refused, or accepted and ignored, before)."""
+    fields = {"max_tokens": 16, "extra_body": {"ignore_eos": True}}
+    plain = chat(client, **fields).choices[0].message.content
+    assert chat(client, presence_penalty=2.0, frequency_penalty=2.0, **fields).choices[0].message.content != plain
+    assert chat(client, max_tokens=16, extra_body={"ignore_eos": True, "repetition_penalty": 3.0}
+                ).choices[0].message.content != plain
+    assert chat(client, max_tokens=16, extra_body={"ignore_eos": True, "min_p": 0.0, "min_tokens": 0}
+                ).choices[0].message.content == plain  # the no-op values
+    ids = sorted(set(tokenizer.encode(plain)))  # the plain answer's tokens (as the text encodes again)
+    stopped = chat(client, max_tokens=16, extra_body={"ignore_eos": True, "stop_token_ids": ids})
+    assert stopped.usage.completion_tokens < 16 and stopped.choices[0].finish_reason == "stop"  # ignore_eos or not
+    early = chat(client, max_tokens=16, extra_body={"min_tokens": 16})  # no stop token before 16
+    assert early.usage.completion_tokens == 16
 
 
 # -- adapters ----------------------------------------------------------------------------------------------------

@@ -89,7 +89,10 @@ def resolve_model(name: str, manager: AdapterManager) -> str | None:
 
 def _engine_request(body, adapter: str | None, **text) -> EngineRequest:
     return EngineRequest(adapter=adapter, max_tokens=body.token_limit, temperature=body.temperature,
-                         top_p=body.top_p, top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos, **text)
+                         top_p=body.top_p, top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos,
+                         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                         repetition_penalty=body.repetition_penalty, min_p=body.min_p, min_tokens=body.min_tokens,
+                         stop_token_ids=body.stop_token_ids, **text)
 
 
 async def read_body(request: Request, limit: int) -> bytes:

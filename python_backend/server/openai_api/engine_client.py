@@ -39,6 +39,12 @@ class EngineRequest:
     top_k: int = 0
     seed: int | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -126,6 +132,15 @@ class EngineClient:
                    _tensor("top_k", request.top_k, "INT32"), _tensor("ignore_eos", request.ignore_eos, "BOOL")]
         if request.seed is not None:
             inputs.append(_tensor("seed", request.seed, "UINT64"))
+        for name, default, datatype in (("presence_penalty", 0.0, "FP32"), ("frequency_penalty", 0.0, "FP32"),
+                                        ("repetition_penalty", 1.0, "FP32"), ("min_p", 0.0, "FP32"),
+                                        ("min_tokens", 0, "INT32")):
+            if getattr(request, name) != default and name in self.inputs:  # an engine of an older repository lacks them
+                inputs.append(_tensor(name, getattr(request, name), datatype))
+        if request.stop_token_ids:
+            ids = grpcclient.InferInput("stop_token_ids", [len(request.stop_token_ids)], "INT32")
+            ids.set_data_from_numpy(np.array(request.stop_token_ids, dtype=np.int32))
+            inputs.append(ids)
         return inputs
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:

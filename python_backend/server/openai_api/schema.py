@@ -7,10 +7,11 @@ surrogate, from invalid bytes or an unpaired \\u escape, is a 400 naming its fie
 encoded).
 Numbers must fit what the engine's inputs hold (INT32, FP32): no value is wrapped or rounded to 0 on the way.
 
-Fields OpenAI defines that this server cannot honour (tools, logprobs, penalties, n > 1, ...) are refused when set
-to anything but their no-op value, so a client never gets an answer computed without what it asked for. Fields
-nobody defined are ignored, as OpenAI's own server and vLLM do for forward compatibility. Two vLLM extensions are
-taken: `top_k` and `ignore_eos`.
+Fields OpenAI defines that this server cannot honour (tools, logprobs, n > 1, ...) are refused when set to anything
+but their no-op value, so a client never gets an answer computed without what it asked for; so are vLLM's guided
+decoding extras (`guided_json`, `structured_outputs`, ...). Fields nobody defined are ignored, as OpenAI's own server
+and vLLM do for forward compatibility. OpenAI's `presence_penalty` and `frequency_penalty` are honoured, and these
+vLLM extensions: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids` and `ignore_eos`.
 """
 
 from __future__ import annotations
@@ -160,7 +161,10 @@ class Message(_Strict):
 _UNSUPPORTED = {
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "best_of": (None, 1),
+    "best_of": (None, 1),
+    # vLLM's guided decoding: not built yet (a grammar library's token mask in the batched step)
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,),
     "echo": (None, False), "suffix": (None, ""), "response_format": (None, {"type": "text"}),
 }
 
@@ -172,6 +176,13 @@ class _Sampling(_Strict):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, le=INT32_MAX)  # vLLM's extension; 0 = off
     seed: int | None = Field(default=None, ge=0, lt=2**63)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)  # OpenAI's: per token already in the output
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)  # OpenAI's: per occurrence in the output
+    # vLLM's extensions, honoured by the engine (ced/engine.py SamplingParams)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_LIMIT)
+    stop_token_ids: list[int] | None = Field(default=None, max_length=1024)
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
@@ -188,7 +199,14 @@ class _Sampling(_Strict):
                     raise APIError(400, f"{name}: not supported by this server", name, "unsupported_parameter")
         return data
 
-    @field_validator("temperature", "top_p")
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids(cls, ids):
+        if ids is not None and any(not 0 <= token <= INT32_MAX for token in ids):
+            raise ValueError(f"token ids are 0 to {INT32_MAX}")
+        return ids
+
+    @field_validator("temperature", "top_p", "repetition_penalty", "min_p", "presence_penalty", "frequency_penalty")
     @classmethod
     def _fits_float32(cls, value: float, info) -> float:
         """The engine takes FP32: a positive value under float32's smallest would reach it as 0 (top_p 5e-324 did,
