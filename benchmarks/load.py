@@ -157,8 +157,10 @@ class Mol2Client:
         self.ignore_eos_note: str | None = None
         self._lock = threading.Lock()
 
-    def _body(self, text, adapter, max_tokens, conversation_id, end_conversation, stream) -> dict:
+    def _body(self, text, adapter, max_tokens, conversation_id, end_conversation, stream, min_tokens=None) -> dict:
         body = {"text_input": text, "max_tokens": max_tokens, "stream": stream}
+        if min_tokens:
+            body["min_tokens"] = min_tokens
         if adapter:
             body["adapter"] = adapter
         if conversation_id:
@@ -178,14 +180,16 @@ class Mol2Client:
         return False
 
     def stream(self, text: str, adapter: str | None, max_tokens: int, conversation_id: str | None = None,
-               end_conversation: bool = False, record: Record | None = None) -> Record:
+               end_conversation: bool = False, record: Record | None = None, min_tokens: int | None = None) -> Record:
+        """One streamed turn; `min_tokens` (no stop token before that many) is sent when given."""
         record = record or Record(engine="mol2", adapter=adapter or "")
         for attempt in range(2):
             record.start, record.token_times = time.perf_counter(), []
             try:
                 seen = 0
                 for event in post_sse(self.base, f"/v2/models/{self.model}/generate_stream",
-                                      self._body(text, adapter, max_tokens, conversation_id, end_conversation, True),
+                                      self._body(text, adapter, max_tokens, conversation_id, end_conversation, True,
+                                                 min_tokens),
                                       self.timeout):
                     now = time.perf_counter()
                     count = int(event.get("output_tokens", seen))
@@ -512,3 +516,76 @@ def folder_bytes(path) -> int:
     from pathlib import Path
 
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+@contextlib.contextmanager
+def demo_pair(log_name: str, args: Sequence[str] = (), ready_timeout_s: float = 900.0):
+    """A disaggregated pair on the demo as `mol2 serve` runs it (docs/disaggregated.md): `--role decode` and
+    `--role prefill --decode-url` the decode server's gRPC port, on fresh loopback ports, each with its own store in
+    one temp folder and one secret file there (written before either starts); `args` go to both (e.g. --engine,
+    --max-prompt-tokens). Both start at once (the prefill server is ready only once its decode server answers).
+    Yields (the prefill server's ports, the decode server's ports): clients talk to the prefill server as to a single
+    server. Logs: artifacts/logs/LOG_NAME_{decode,prefill}.log (tritonserver's) and .out (`mol2 serve`'s)."""
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from python_backend.core.seal import create_secret_file
+    from python_backend.core.settings import ROOT
+    from python_backend.server.launcher import Ports
+
+    logs = ROOT / "artifacts/logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    mol2 = Path(sys.executable).parent / "mol2"
+    command = [str(mol2)] if mol2.exists() else [sys.executable, "-m", "mol2_cli"]
+    decode, prefill = Ports.free(), Ports.free()
+    while {decode.http, decode.grpc, decode.metrics} & {prefill.http, prefill.grpc, prefill.metrics}:
+        prefill = Ports.free()
+    processes: list[tuple[str, subprocess.Popen, Path]] = []
+    with tempfile.TemporaryDirectory(prefix="mol2-pair-") as work:
+        secret = create_secret_file(Path(work) / "pair.secret")  # written once here: both servers read it
+        try:
+            for role, ports, extra in (("decode", decode, []), ("prefill", prefill, ["--decode-url", decode.grpc_url])):
+                out = logs / f"{log_name}_{role}.out"
+                argv = [*command, "serve", "--role", role, *extra, "--secret-file", str(secret),
+                        "--http-port", str(ports.http), "--grpc-port", str(ports.grpc),
+                        "--metrics-port", str(ports.metrics), "--openai-port", "0",
+                        "--store", str(Path(work) / f"{role}-store"), "--log", str(logs / f"{log_name}_{role}.log"),
+                        *args]
+                with open(out, "ab") as handle:
+                    processes.append((role, subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT,
+                                                             start_new_session=True), out))
+            print(f"starting a disaggregated pair (mol2 serve --role decode on {decode.http_url}, --role prefill on "
+                  f"{prefill.http_url}); logs {logs / log_name}_{{decode,prefill}}.{{log,out}}", flush=True)
+            deadline = time.monotonic() + ready_timeout_s
+            for role, process, out in processes:
+                ports = decode if role == "decode" else prefill
+                while True:
+                    if process.poll() is not None:
+                        raise RuntimeError(f"mol2 serve --role {role} exited ({process.returncode}); see {out}")
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"mol2 serve --role {role} was not ready within {ready_timeout_s:.0f} s")
+                    with contextlib.suppress(OSError, http.client.HTTPException):
+                        connection = _connection(f"http://{ports.http_url}", 2.0)
+                        try:
+                            connection.request("GET", "/v2/health/ready")
+                            if connection.getresponse().status == 200:
+                                break
+                        finally:
+                            connection.close()
+                    time.sleep(0.5)
+            yield prefill, decode
+        finally:
+            for role, process, _ in reversed(processes):  # the prefill server first, then its decode server
+                if process.poll() is None:
+                    os.killpg(process.pid, signal.SIGTERM)
+                    try:
+                        process.wait(60)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(process.pid, signal.SIGKILL)
+                        process.wait()
+            import shutil
+
+            shutil.rmtree(ROOT / "artifacts" / "triton" / f"prefill-repository-{prefill.grpc}", ignore_errors=True)

@@ -1,13 +1,19 @@
 """Serving throughput: our tritonserver (the demo, 4 LoRA adapters) beside vLLM's CPU build (a Llama of the demo's
 size and shape, 4 LoRA adapters r=16; benchmarks/peer_vllm.py), both running on this machine in the same run.
+With `--pair` (a flag, not an engine choice), one more engine, `mol2_pair`: a disaggregated pair (`mol2 serve
+--role decode` and `--role prefill --decode-url`, docs/disaggregated.md; fresh ports, a store each, one shared secret
+file) sent the very requests the single server gets (Triton generate_stream, to the prefill server's public HTTP
+port, which is behind `mol2 serve`'s guard; the single server's is tritonserver's own port, as before; the HTTP
+guard cost 1.00-1.01x, benchmarks/README.md#guard_cost), interleaved with the others, plus a mol2_pair / mol2 ratio
+table. With `--pair`, ours also get min_tokens = max_tokens (PAIR_NOTE).
 
 Cells: concurrency 1, 2, 4, 8, 16, 32 streams, on 1 adapter (every turn `chat` / a0) and on 4 adapters (stream i's
 turn j on adapter (i + j) mod 4: round robin, every batch mixed). Each stream sends turns one after another: a short
 prompt, max_tokens 64, `ignore_eos` (every stream runs to max_tokens where the server takes it). Each turn is a new
 conversation (ours: no conversation_id, end_conversation true; vLLM: stateless completions), the prompt wrapped the
 same way for both (our chat markers, one special token each), so both see the same token ids. Engines are
-interleaved cell by cell (one engine's cell, then the other's, the order alternating), so drift of the machine's
-load hits both; the load average is written beside each row.
+interleaved cell by cell (each engine's cell in turn, the order reversed every other cell), so drift of the
+machine's load hits all of them; the load average is written beside each row.
 
 `long_prompt`: at concurrency 8 on 4 adapters, one extra request with a ~25K-token prompt (this repository's
 READMEs, repeated; counted with the demo tokenizer) arrives a third into the cell; the row's TTFTs are those of the
@@ -15,14 +21,21 @@ short requests that waited for their first token while the long prompt was being
 token, first token after it was sent). tokens_per_s is over the whole cell; p50_itl_ms over the cell's short
 requests; `max_itl_during_ms` the longest stall of a running stream during the prefill.
 
-    python -m benchmarks.serving_throughput [--quick] [--json PATH] [--plot PATH] [--no-vllm]
+`--quick` (a smoke check): concurrency 1 and 16 on 4 adapters, cells of 8 s, a 4,096-token long prompt;
+`--concurrency` and `--adapters` (comma lists) choose the cells, `--long-tokens 0` leaves the long prompt out.
+
+    python -m benchmarks.serving_throughput [--quick] [--pair] [--no-vllm] [--concurrency 1,4,16] [--adapters 1,4]
+                                            [--json PATH] [--plot PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
+import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from . import load
@@ -31,10 +44,12 @@ from .peer_vllm import ADAPTERS, PEER_ROOT, SKIP_MESSAGE, build_peer, running_vl
 
 ROOT = Path(__file__).resolve().parent.parent
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
-QUICK_CONCURRENCY = (1, 4, 16)
+QUICK_CONCURRENCY = (1, 16)
 ADAPTER_COUNTS = (1, 4)
+QUICK_ADAPTER_COUNTS = (4,)
 MAX_TOKENS = 64
 LONG_PROMPT_TOKENS = 25_000
+QUICK_LONG_PROMPT_TOKENS = 4_096
 LONG_CONCURRENCY, LONG_ADAPTERS = 8, 4
 PROMPTS = [
     "Tell me a joke about compilers.", "How was your weekend? Mine was quiet.", "Say something cheerful about rain.",
@@ -55,32 +70,87 @@ def adapter_for(adapters: int, stream: int, turn: int) -> str:
     return ADAPTERS[0] if adapters == 1 else ADAPTERS[(stream + turn) % adapters]
 
 
-class Engines:
-    """The engines measured in this run: name -> (a short request, a long request)."""
+Send = Callable[[str, str, int, load.Record], load.Record]  # (user text, our adapter, max_tokens, record) -> record
 
-    def __init__(self, mol2: load.Mol2Client, vllm: load.VllmClient | None):
-        self.mol2, self.vllm = mol2, vllm
+
+def mol2_send(client: load.Mol2Client, min_tokens: bool = False) -> Send:
+    """Our Triton generate_stream: each turn a new conversation, ended by the turn (single server or pair);
+    `min_tokens`: min_tokens = max_tokens sent beside ignore_eos (see PAIR_NOTE)."""
+    return lambda text, adapter, max_tokens, record: client.stream(
+        text, adapter, max_tokens, end_conversation=True, record=record, min_tokens=max_tokens if min_tokens else None)
+
+
+PAIR_NOTE = ("with --pair every mol2 request also carries min_tokens = max_tokens: a pair's relay passes min_tokens on "
+             "to its decode server but not ignore_eos, so without it the pair's turns stop at the model's stop token "
+             "and do less work than the single server's")
+
+
+def vllm_send(client: load.VllmClient) -> Send:
+    """vLLM's completions: the turn wrapped in our chat markers, the adapter's LoRA name."""
+    return lambda text, adapter, max_tokens, record: client.stream(load.user_turn(text), vllm_name(adapter),
+                                                                   max_tokens, record=record)
+
+
+def serve_status(base: str) -> dict | None:
+    """A `mol2 serve`'s /v2/status (its supervisor's view: restarts of tritonserver, last exit); None when there is
+    none (tritonserver's own port, or no answer)."""
+    try:
+        return json.loads(load.get_text(base, "/v2/status"))
+    except (OSError, ValueError, load.ServerError, http.client.HTTPException):
+        return None
+
+
+def ready(base: str, timeout_s: float = 2.0) -> bool:
+    try:
+        load.get_text(base, "/v2/health/ready", timeout_s)
+        return True
+    except (OSError, load.ServerError, http.client.HTTPException):
+        return False
+
+
+class Engines:
+    """The engines measured in this run, by name (mol2, mol2_pair, vllm): each a (short request, long request).
+    `served`: for an engine run by `mol2 serve`, the HTTP bases of its servers, whose supervisors count restarts of
+    tritonserver (a row's `restarts`) and whose readiness a cell waits for."""
+
+    def __init__(self, sends: dict[str, Send], served: dict[str, list[str]] | None = None):
+        self.sends, self.served = dict(sends), dict(served or {})
 
     @property
     def names(self) -> list[str]:
-        return ["mol2"] + (["vllm"] if self.vllm else [])
+        return list(self.sends)
+
+    def restarts(self, engine: str) -> int | None:
+        """tritonserver restarts so far, summed over the engine's servers; None where not known."""
+        statuses = [serve_status(base) for base in self.served.get(engine, [])]
+        if not statuses or any(status is None for status in statuses):
+            return None
+        return sum(int(status.get("tritonserver", {}).get("restarts", 0)) for status in statuses)
+
+    def wait_ready(self, engine: str, timeout_s: float = 300.0) -> None:
+        """Until every server of the engine says ready (after a crash its supervisor restarts tritonserver: a cell
+        does not start into that), at most `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        for base in self.served.get(engine, []):
+            while not ready(base) and time.monotonic() < deadline:
+                time.sleep(1.0)
 
     def short(self, engine: str, adapters: int):
+        send = self.sends[engine]
+
         def request(stream: int, turn: int, record: load.Record) -> load.Record:
             adapter = adapter_for(adapters, stream, turn)
             text = PROMPTS[(stream * 7 + turn) % len(PROMPTS)]
             record.engine, record.adapter = engine, adapter
-            if engine == "mol2":
-                return self.mol2.stream(text, adapter, MAX_TOKENS, end_conversation=True, record=record)
-            return self.vllm.stream(load.user_turn(text), vllm_name(adapter), MAX_TOKENS, record=record)
+            return send(text, adapter, MAX_TOKENS, record)
         return request
 
     def long(self, engine: str, text: str, tokens: int):
+        send = self.sends[engine]
+
         def request(record: load.Record) -> load.Record:
             record.engine, record.adapter, record.tag, record.prompt_tokens = engine, ADAPTERS[0], "long", tokens
-            if engine == "mol2":
-                return self.mol2.stream(text, ADAPTERS[0], 1, end_conversation=True, record=record)
-            return self.vllm.stream(load.user_turn(text), vllm_name(ADAPTERS[0]), 1, record=record)
+            return send(text, ADAPTERS[0], 1, record)
         return request
 
 
@@ -126,26 +196,45 @@ def warm_up(engines: Engines) -> None:
             load.run_streams(1, engines.short(engine, adapters), requests_each=len(ADAPTERS))
 
 
-def measure(engines: Engines, concurrency: tuple[int, ...], cell_s: float, long_text: str, long_tokens: int,
-            long_tail_s: float) -> list[dict]:
+def _restarted(engines: Engines, engine: str, before: int | None, errors: int) -> int | None:
+    """Restarts since `before`; after a cell with errors, once the servers are ready again (a crash is counted when
+    its supervisor has seen it)."""
+    if errors and before is not None:
+        time.sleep(2.0)
+        engines.wait_ready(engine)
+    after = engines.restarts(engine)
+    return None if before is None or after is None else after - before
+
+
+def measure(engines: Engines, concurrency: tuple[int, ...], adapter_counts: tuple[int, ...], cell_s: float,
+            long_text: str | None, long_tokens: int, long_tail_s: float) -> list[dict]:
+    """Every (adapters, concurrency) cell on each engine in turn (the order reversed every other cell, so each
+    engine's mean place in the order is the same), then the long-prompt cell on each (none when `long_text` is
+    None). A cell starts once its engine's servers are ready; `restarts`: tritonserver restarts during it."""
     rows = []
-    cells = [(adapters, c) for adapters in ADAPTER_COUNTS for c in concurrency]
+    cells = [(adapters, c) for adapters in adapter_counts for c in concurrency]
     for index, (adapters, c) in enumerate(cells):
         order = engines.names if index % 2 == 0 else engines.names[::-1]
         for engine in order:
+            engines.wait_ready(engine)
+            before = engines.restarts(engine)
             started = time.perf_counter()
             run = load.run_streams(c, engines.short(engine, adapters), duration_s=cell_s)
             rows.append(steady_row(engine, c, adapters, run))
-            print(f"  steady  {engine:4s} c={c:<2d} adapters={adapters}: {rows[-1]['tokens_per_s']:.1f} tok/s, "
+            rows[-1]["restarts"] = _restarted(engines, engine, before, rows[-1]["errors"])
+            print(f"  steady  {engine:9s} c={c:<2d} adapters={adapters}: {rows[-1]['tokens_per_s']:.1f} tok/s, "
                   f"p50 TTFT {rows[-1]['p50_ttft_ms'] or float('nan'):.0f} ms  ({time.perf_counter() - started:.0f} s, "
-                  f"load {rows[-1]['load_avg'][0]})", flush=True)
-    for index, engine in enumerate(engines.names):
+                  f"load {rows[-1]['load_avg'][0]}, errors {rows[-1]['errors']})", flush=True)
+    for engine in engines.names if long_text is not None else []:
+        engines.wait_ready(engine)
+        before = engines.restarts(engine)
         started = time.perf_counter()
         run = load.run_streams(LONG_CONCURRENCY, engines.short(engine, LONG_ADAPTERS), duration_s=cell_s,
                                extras=[(cell_s / 3, engines.long(engine, long_text, long_tokens))],
                                tail_s=long_tail_s)
         rows.append(long_row(engine, run))
-        print(f"  long    {engine:4s}: long prompt TTFT {rows[-1]['long_ttft_ms'] or float('nan'):.0f} ms, short p50 "
+        rows[-1]["restarts"] = _restarted(engines, engine, before, rows[-1]["errors"])
+        print(f"  long    {engine:9s}: long prompt TTFT {rows[-1]['long_ttft_ms'] or float('nan'):.0f} ms, short p50 "
               f"TTFT during it {rows[-1]['p50_ttft_ms'] or float('nan'):.0f} ms ({time.perf_counter() - started:.0f} s, "
               f"load {rows[-1]['load_avg'][0]})", flush=True)
     return rows
@@ -159,36 +248,45 @@ def _ratio(a, b):
     return None if a is None or b in (None, 0) else a / b
 
 
-def ratio_rows(rows: list[dict], concurrency: tuple[int, ...]) -> list[dict]:
-    """Per scenario / adapters / concurrency: mol2 / vllm of tokens/s and TTFT; and mol2's c_max / c1 tokens/s."""
+def ratio_rows(rows: list[dict], ours: str, theirs: str) -> list[dict]:
+    """Per cell (steady: adapters x concurrency; long_prompt): `ours` / `theirs` of tokens/s, p50 TTFT and p50 ITL,
+    for the cells both engines ran."""
     out = []
-    for adapters in ADAPTER_COUNTS:
-        for c in concurrency:
-            ours, theirs = _find(rows, engine="mol2", scenario="steady", adapters=adapters, concurrency=c), \
-                _find(rows, engine="vllm", scenario="steady", adapters=adapters, concurrency=c)
-            if ours and theirs:
-                out.append({"scenario": "steady", "adapters": adapters, "concurrency": c,
-                            "tokens_per_s mol2/vllm": _ratio(ours["tokens_per_s"], theirs["tokens_per_s"]),
-                            "p50_ttft mol2/vllm": _ratio(ours["p50_ttft_ms"], theirs["p50_ttft_ms"]),
-                            "p50_itl mol2/vllm": _ratio(ours["p50_itl_ms"], theirs["p50_itl_ms"])})
-    ours, theirs = _find(rows, engine="mol2", scenario="long_prompt"), _find(rows, engine="vllm", scenario="long_prompt")
-    if ours and theirs:
-        out.append({"scenario": "long_prompt", "adapters": LONG_ADAPTERS, "concurrency": LONG_CONCURRENCY,
-                    "tokens_per_s mol2/vllm": _ratio(ours["tokens_per_s"], theirs["tokens_per_s"]),
-                    "p50_ttft mol2/vllm": _ratio(ours["p50_ttft_ms"], theirs["p50_ttft_ms"]),
-                    "p50_itl mol2/vllm": _ratio(ours["p50_itl_ms"], theirs["p50_itl_ms"])})
+    for row in rows:
+        if row["engine"] != ours:
+            continue
+        other = _find(rows, engine=theirs, scenario=row["scenario"], adapters=row["adapters"],
+                      concurrency=row["concurrency"])
+        if other:
+            out.append({"scenario": row["scenario"], "adapters": row["adapters"], "concurrency": row["concurrency"],
+                        f"tokens_per_s {ours}/{theirs}": _ratio(row["tokens_per_s"], other["tokens_per_s"]),
+                        f"p50_ttft {ours}/{theirs}": _ratio(row["p50_ttft_ms"], other["p50_ttft_ms"]),
+                        f"p50_itl {ours}/{theirs}": _ratio(row["p50_itl_ms"], other["p50_itl_ms"]),
+                        "load_avg": row["load_avg"]})
     return out
 
 
-def scaling_lines(rows: list[dict]) -> list[str]:
+def scaling_lines(rows: list[dict], engines: list[str]) -> list[str]:
     lines = []
-    for adapters in ADAPTER_COUNTS:
-        c1 = _find(rows, engine="mol2", scenario="steady", adapters=adapters, concurrency=1)
-        c16 = _find(rows, engine="mol2", scenario="steady", adapters=adapters, concurrency=16)
-        if c1 and c16:
-            lines.append(f"mol2 tokens/s c16/c1, {adapters} adapter(s): "
-                         f"{_ratio(c16['tokens_per_s'], c1['tokens_per_s']):.3g}")
+    for engine in engines:
+        for adapters in sorted({r["adapters"] for r in rows if r["scenario"] == "steady"}):
+            c1 = _find(rows, engine=engine, scenario="steady", adapters=adapters, concurrency=1)
+            c16 = _find(rows, engine=engine, scenario="steady", adapters=adapters, concurrency=16)
+            if c1 and c16 and c1["tokens_per_s"] and c16["tokens_per_s"]:
+                lines.append(f"{engine} tokens/s c16/c1, {adapters} adapter(s): "
+                             f"{_ratio(c16['tokens_per_s'], c1['tokens_per_s']):.3g}")
     return lines
+
+
+def pair_target_line(rows: list[dict]) -> str | None:
+    """The issue's target: the pair at 16 mixed streams (4 adapters) reaches 0.8x the single server's tokens/s."""
+    pair = _find(rows, engine="mol2_pair", scenario="steady", adapters=4, concurrency=16)
+    single = _find(rows, engine="mol2", scenario="steady", adapters=4, concurrency=16)
+    ratio = _ratio(pair["tokens_per_s"], single["tokens_per_s"]) if pair and single else None
+    if ratio is None:
+        return None
+    return (f"mol2_pair / mol2 tokens/s at 16 streams on 4 adapters: {ratio:.3g} (target >= 0.8: "
+            f"{'met' if ratio >= 0.8 else 'not met'})")
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -198,8 +296,9 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     figure, (left, middle, right) = plt.subplots(1, 3, figsize=(13, 3.6))
-    styles = {("mol2", 1): ("#2a7", "-"), ("mol2", 4): ("#2a7", "--"), ("vllm", 1): ("#c63", "-"),
-              ("vllm", 4): ("#c63", "--")}
+    colours = {"mol2": "#2a7", "mol2_pair": "#36c", "vllm": "#c63"}
+    styles = {(engine, adapters): (colour, "-" if adapters == 1 else "--") for engine, colour in colours.items()
+              for adapters in (1, 4)}
     for (engine, adapters), (colour, dash) in styles.items():
         cells = sorted((r for r in rows if r["scenario"] == "steady" and r["engine"] == engine
                         and r["adapters"] == adapters), key=lambda r: r["concurrency"])
@@ -232,24 +331,46 @@ def plot(rows: list[dict], path: str) -> None:
     right.set_title(f"a {longs[0]['long_prompt_tokens'] if longs else LONG_PROMPT_TOKENS}-token prompt arrives "
                     f"(c{LONG_CONCURRENCY}, {LONG_ADAPTERS} adapters)", fontsize=9)
     right.legend(fontsize=7)
-    figure.suptitle(f"serving: mol2 (tritonserver, demo) vs vLLM CPU (same size Llama), {MAX_TOKENS} tokens a turn")
+    engines = sorted({r["engine"] for r in rows}, key=list(colours).index)
+    names = {"mol2": "mol2 (tritonserver, demo)", "mol2_pair": "mol2_pair (disaggregated)",
+             "vllm": "vLLM CPU (same size Llama)"}
+    figure.suptitle(f"serving: {' vs '.join(names[e] for e in engines)}, {MAX_TOKENS} tokens a turn")
     save_figure(figure, path)
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(",") if part.strip())
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="concurrency 1, 4, 16 and shorter cells (a smoke check)")
-    parser.add_argument("--json", help="write the rows as JSON")
+    parser.add_argument("--quick", action="store_true", help="concurrency 1 and 16 on 4 adapters and shorter cells "
+                                                             "(a smoke check)")
+    parser.add_argument("--json", help="write the rows as JSON (the measured rows, then the ratio rows)")
     add_plot_option(parser, "artifacts/benchmarks/serving_throughput.png")
     parser.add_argument("--cell-s", type=float, default=None, help="seconds a cell sends new requests "
                                                                    "(default 30; --quick 8)")
-    parser.add_argument("--long-tokens", type=int, default=LONG_PROMPT_TOKENS)
-    parser.add_argument("--no-vllm", action="store_true", help="measure our server alone")
-    parser.add_argument("--engine", default="torch", choices=("torch", "onnxruntime"), help="our server's engine")
+    parser.add_argument("--concurrency", type=_counts, default=None,
+                        help="streams of the cells, e.g. 1,4,16 (default 1,2,4,8,16,32; --quick 1,16)")
+    parser.add_argument("--adapters", type=_counts, default=None,
+                        help="adapter counts of the cells, 1 and/or 4 (default 1,4; --quick 4)")
+    parser.add_argument("--long-tokens", type=int, default=None,
+                        help=f"the long prompt's tokens (default {LONG_PROMPT_TOKENS}; --quick "
+                             f"{QUICK_LONG_PROMPT_TOKENS}; 0: no long-prompt cell)")
+    parser.add_argument("--no-vllm", action="store_true", help="leave vLLM out")
+    parser.add_argument("--pair", action="store_true",
+                        help="also start a disaggregated pair (mol2 serve --role decode / --role prefill) and measure "
+                             "it as engine mol2_pair, interleaved with the others")
+    parser.add_argument("--engine", default="torch", choices=("torch", "onnxruntime"), help="our servers' engine")
     args = parser.parse_args(argv)
     args.plot = plot_path(args)
-    concurrency = QUICK_CONCURRENCY if args.quick else CONCURRENCY
+    concurrency = args.concurrency or (QUICK_CONCURRENCY if args.quick else CONCURRENCY)
+    adapter_counts = args.adapters or (QUICK_ADAPTER_COUNTS if args.quick else ADAPTER_COUNTS)
+    if set(adapter_counts) - {1, len(ADAPTERS)}:
+        parser.error(f"--adapters: 1 and/or {len(ADAPTERS)}")
     cell_s = args.cell_s or (8.0 if args.quick else 30.0)
+    if args.long_tokens is None:
+        args.long_tokens = QUICK_LONG_PROMPT_TOKENS if args.quick else LONG_PROMPT_TOKENS
     long_tail_s = 2.0 if args.quick else 5.0
     began = time.perf_counter()
 
@@ -260,12 +381,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     model_dir = prepare_demo()
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    long_text = load.text_of_tokens(args.long_tokens, tokenizer, ROOT)
-    long_tokens = len(tokenizer.encode(load.user_turn(long_text)).ids)
+    long_text, long_tokens = None, 0
+    if args.long_tokens > 0:
+        long_text = load.text_of_tokens(args.long_tokens, tokenizer, ROOT)
+        long_tokens = len(tokenizer.encode(load.user_turn(long_text)).ids)
     use_vllm = not args.no_vllm and vllm_available()
     if not args.no_vllm and not use_vllm:
         print(SKIP_MESSAGE)
-    env = {"MOL2_ENGINE": args.engine, "MOL2_MAX_PROMPT_TOKENS": "32768"}  # the model's context: prompts up to it
+    max_prompt = "32768"  # the model's context: prompts up to it
+    env = {"MOL2_ENGINE": args.engine, "MOL2_MAX_PROMPT_TOKENS": max_prompt}
     if args.engine == "onnxruntime":
         from ced.engines import ensure_onnx_engine
 
@@ -273,40 +397,71 @@ def main(argv: list[str] | None = None) -> list[dict]:
     logs = ROOT / "artifacts/logs"
     import contextlib
 
+    clients: dict[str, load.Mol2Client] = {}
     with contextlib.ExitStack() as stack:
         ports, _ = stack.enter_context(load.demo_server("serving_throughput", env))
-        vllm = None
+        clients["mol2"] = load.Mol2Client(f"http://{ports.http_url}")
+        served: dict[str, list[str]] = {}
+        if args.pair:
+            prefill, decode = stack.enter_context(load.demo_pair(
+                "serving_throughput_pair", ["--engine", args.engine, "--max-prompt-tokens", max_prompt]))
+            # a request that hears nothing for 5 minutes fails (not 15): a stalled pair costs a cell, not the run
+            clients["mol2_pair"] = load.Mol2Client(f"http://{prefill.http_url}", timeout=300.0)
+            served["mol2_pair"] = [f"http://{prefill.http_url}", f"http://{decode.http_url}"]
+        sends: dict[str, Send] = {name: mol2_send(client, min_tokens=args.pair) for name, client in clients.items()}
         if use_vllm:
             peer = build_peer(PEER_ROOT)
             vllm_port = Ports.free().http
             print(f"starting vLLM on the peer ({peer}); log {logs / 'vllm_serving_throughput.log'}", flush=True)
-            vllm = load.VllmClient(stack.enter_context(running_vllm(peer, vllm_port,
-                                                                     logs / "vllm_serving_throughput.log")))
-        mol2 = load.Mol2Client(f"http://{ports.http_url}")
-        engines = Engines(mol2, vllm)
-        print(f"servers up after {time.perf_counter() - began:.0f} s; warming up", flush=True)
+            sends["vllm"] = vllm_send(load.VllmClient(stack.enter_context(
+                running_vllm(peer, vllm_port, logs / "vllm_serving_throughput.log"))))
+        engines = Engines(sends, served)
+        print(f"servers up after {time.perf_counter() - began:.0f} s ({', '.join(engines.names)}); warming up",
+              flush=True)
         warm_up(engines)
-        rows = measure(engines, concurrency, cell_s, long_text, long_tokens, long_tail_s)
+        rows = measure(engines, concurrency, adapter_counts, cell_s, long_text, long_tokens, long_tail_s)
+        exits = {base: (serve_status(base) or {}).get("tritonserver", {}) for bases in served.values()
+                 for base in bases}
+    notes = [f"{name}: {client.ignore_eos_note}" for name, client in clients.items() if client.ignore_eos_note]
     print(f"\n{MAX_TOKENS} tokens a turn, short prompts (each turn a new conversation: ours ends it with "
           f"end_conversation, vLLM's completions are stateless), cells of {cell_s:.0f} s, engines interleaved; "
-          f"ignore_eos: {mol2.ignore_eos_note or 'sent to both'}; load average (1, 5, 15 min) beside each row\n")
-    print(markdown_table(rows, COLUMNS))
-    print(f"\nlong_prompt: a {long_tokens}-token prompt at concurrency {LONG_CONCURRENCY} on {LONG_ADAPTERS} adapters; "
-          "TTFTs of the short requests waiting during its prefill\n")
+          f"ignore_eos: {'; '.join(notes) or 'sent to all'}; load average (1, 5, 15 min) beside each row"
+          f"{'; ' + PAIR_NOTE if args.pair else ''}\n")
+    columns = COLUMNS + (["restarts"] if any(r.get("restarts") is not None for r in rows) else [])
+    print(markdown_table(rows, columns))
     longs = [r for r in rows if r["scenario"] == "long_prompt"]
-    for row in longs:
-        row["steady_p50_ttft_ms"] = (_find(rows, engine=row["engine"], scenario="steady", adapters=LONG_ADAPTERS,
-                                           concurrency=LONG_CONCURRENCY) or {}).get("p50_ttft_ms")
-    print(markdown_table(longs, LONG_COLUMNS))
-    print("(short_during: short requests that waited for their first token during the prefill; none means every "
-          "stream was already decoding, and max_itl_during_ms is their stall; before_p50_ttft_ms: the same cell "
-          "before the long prompt arrived)")
-    ratios = ratio_rows(rows, concurrency)
-    if ratios:
-        print("\nratios (mol2 / vllm)\n")
-        print(markdown_table(ratios, list(ratios[0])))
-    for line in scaling_lines(rows):
+    if longs:
+        print(f"\nlong_prompt: a {long_tokens}-token prompt at concurrency {LONG_CONCURRENCY} on {LONG_ADAPTERS} "
+              "adapters; TTFTs of the short requests waiting during its prefill\n")
+        for row in longs:
+            row["steady_p50_ttft_ms"] = (_find(rows, engine=row["engine"], scenario="steady", adapters=LONG_ADAPTERS,
+                                               concurrency=LONG_CONCURRENCY) or {}).get("p50_ttft_ms")
+        print(markdown_table(longs, LONG_COLUMNS))
+        print("(short_during: short requests that waited for their first token during the prefill; none means every "
+              "stream was already decoding, and max_itl_during_ms is their stall; before_p50_ttft_ms: the same cell "
+              "before the long prompt arrived)")
+    ratio_tables = []
+    for ours, theirs in (("mol2", "vllm"), ("mol2_pair", "mol2")):
+        ratios = ratio_rows(rows, ours, theirs)
+        if ratios:
+            print(f"\nratios ({ours} / {theirs})\n")
+            print(markdown_table(ratios, list(ratios[0])))
+            ratio_tables += [{"engine": f"{ours}/{theirs}", **r, "scenario": f"{r['scenario']}_ratio"}
+                             for r in ratios]
+    for line in scaling_lines(rows, engines.names):
         print(line)
+    target = pair_target_line(rows)
+    if target:
+        print(target)
+    short_turns = [r for r in rows if r["scenario"] == "steady" and r["mean_tokens"] is not None
+                   and r["mean_tokens"] < 0.95 * MAX_TOKENS]
+    for row in short_turns:
+        print(f"note: {row['engine']} c={row['concurrency']} adapters={row['adapters']} generated "
+              f"{row['mean_tokens']:.1f} tokens a turn, not {MAX_TOKENS}: its streams stopped early (less work a turn)")
+    for base, status in exits.items():
+        if status.get("restarts"):
+            print(f"note: the mol2 serve on {base.removeprefix('http://')} restarted its tritonserver "
+                  f"{status['restarts']} time(s); last exit: {status.get('last_exit')}")
     errors = [r for r in rows if r.get("first_error")]
     for row in errors:
         print(f"errors in {row['engine']} {row['scenario']} c={row['concurrency']} adapters={row['adapters']}: "
@@ -314,7 +469,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not use_vllm and not args.no_vllm:
         print(SKIP_MESSAGE)
     print(f"\ntook {time.perf_counter() - began:.0f} s; load average now {load.load_avg()}")
-    write_json(rows, args.json)
+    write_json(rows + ratio_tables, args.json)
     plot(rows, args.plot)
     return rows
 
