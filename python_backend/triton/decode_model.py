@@ -134,16 +134,18 @@ class DecodeModel:
             self.served.store.end_turn(decode_request.conversation_id)
 
     def hand_over(self, parsed: ParsedDecode, sender, wanted: frozenset[str]) -> None:
-        """Checks what can be refused before any work (a delta on a state not held here, an adapter not loaded, a
-        length that does not match), then gives the turn to the scheduler."""
+        """Checks what can be refused before any work (a delta on a state not held here, a length that does not
+        match), then gives the turn to the scheduler (which refuses an adapter this server does not have)."""
         decode_request = parsed.request
         received = self.stage.receive(decode_request)
         if received.state.length != decode_request.meta.length:
             raise RequestError(f"transfer says {decode_request.meta.length} tokens, the state holds "
                                f"{received.state.length}")
         self.counters.add("mol2_routes_read", str(decode_request.meta.adapter_hash))
-        adapter = self.stage.adapter_for(self.served.watcher.current, decode_request.meta.adapter_hash)
-        decision = RouteDecision(adapter or "base", decode_request.meta.adapter_hash)
+        # Named from the set this request polled; whether it is loaded is asked on the scheduler's thread, once the
+        # registry has taken that set (a just-added adapter is not loaded yet here).
+        entry = self.served.watcher.current.by_hash(decode_request.meta.adapter_hash)
+        decision = RouteDecision(entry.name if entry is not None else "base", decode_request.meta.adapter_hash)
         if not decode_request.return_state:  # it commits here: the turn lock is taken here, in this process
             self.served.store.begin_turn(decode_request.conversation_id)
         sampling = decode_request.sampling
