@@ -6,8 +6,8 @@ W positions through the decoder (W = the family's window); the baseline recomput
 target. State bytes are what the conversation holds after visiting N adapters. Weights are random and seeded
 (cost does not depend on what the weights learned), each switch of ours timed right beside the baseline's.
 `replay_positions` is counted at every switch (the positions the decoder ran), not assumed; `replay_indexer_ms` is
-the median time of the replay spent in the decoder's indexers (the reindex layer scores every global entry of
-layer E for each replayed position: the one part of a replay that grows with the context).
+the median time of the replay spent in the decoder's indexers (a reindex layer scores only the entries of layer E's
+candidate blocks for each replayed position, so it is bounded by the pool, not the context).
 
 - `ced`: the `demo` shape (W=128); the baseline is every-layer LoRA (a full prefill under the target, one full
   state per adapter visited), as before this table had a `family` column.
@@ -66,14 +66,14 @@ def timed(fn) -> tuple[float, object]:
 
 
 class IndexerClock:
-    """Time spent in a model's indexers (`scores` / `select` of every layer's `indexer`) since the last reset: the
-    part of a replay that scores the global entries, which grows with the context while the W positions do not."""
+    """Time spent in a model's indexers (`scores` / `select` / `select_in_pool` of every layer's `indexer`) since the
+    last reset: the part of a replay that scores global entries."""
 
     def __init__(self, model):
         self.ms = 0.0
         for module in model.modules():
             indexer = getattr(module, "indexer", None)
-            for name in ("scores", "select"):
+            for name in ("scores", "select", "select_in_pool"):
                 if indexer is not None and hasattr(indexer, name):
                     setattr(indexer, name, self._wrap(getattr(indexer, name)))
 

@@ -199,6 +199,28 @@ class Indexer(nn.Module):
         weights = self.weights_proj(xn).float() * nI ** -0.5  # (B, T, h)
         return torch.matmul(weights.unsqueeze(-2), per_head).squeeze(-2)  # (B, T, N)
 
+    def select_in_pool(self, xn: Tensor, q_residual: Tensor, keys: Tensor, cos: Tensor, sin: Tensor,
+                       positions: Tensor, ratio: int, pool: Selection) -> Selection:
+        """Top-k entries for a later index source, scoring only the entries of the candidate blocks (B, T, P): its
+        work is O(pool) per query, not O(context). The pool's entries are taken in entry order, so the tie rule
+        (the most recent wins) is the one `select` applies over all entries."""
+        config, (B, N, _) = self.config, keys.shape
+        bs, T = config.candidate_block_size, xn.shape[1]
+        n_blocks = -(-N // bs)
+        blocks = torch.where(pool.valid, pool.idx, n_blocks).sort(dim=-1).values  # (B, T, P), invalid ones last
+        entries = (blocks[..., None] * bs + torch.arange(bs, device=keys.device)).flatten(-2)  # (B, T, P*bs)
+        inside = entries < N
+        picked = keys[torch.arange(B, device=keys.device)[:, None, None], entries.clamp(max=N - 1)]  # (B,T,M,I)
+        nI, dI = config.index_n_heads, config.index_head_dim
+        q = apply_rope(self.wq_b(q_residual).view(B, T, nI, dI), cos.unsqueeze(-2), sin.unsqueeze(-2))
+        per_head = torch.einsum("bthd,btmd->bthm", q.float(), picked.float()).relu() * dI ** -0.5  # (B, T, h, M)
+        weights = self.weights_proj(xn).float() * nI ** -0.5  # (B, T, h)
+        scores = torch.einsum("bth,bthm->btm", weights, per_head)  # (B, T, M)
+        visible = inside & ((entries + 1) * ratio - 1 <= positions[..., None])
+        top = _top_k(scores.masked_fill(~visible, NEG_INF), config.index_topk)
+        idx = entries.gather(-1, top.idx).masked_fill(~top.valid, 0)
+        return Selection(idx, top.valid)
+
     def select(self, scores: Tensor, positions: Tensor, ratio: int,
                pool: Selection | None) -> tuple[Selection, Selection | None]:
         """Top-k entries (and, at the candidate source, the candidate pool) from scores (B, T, N)."""
@@ -298,7 +320,10 @@ class Attention(nn.Module):
         q = apply_rope(self.wq_b(q_residual).view(B, T, H, D), cos[:, None], sin[:, None])  # (B, T, H, D)
         source = role.kv_source
         has_entries = source is not None and cache.has_entries(source)
-        if role.is_index_source and has_entries:  # a new choice over the source's entries
+        if role.is_index_source and has_entries and role.uses_candidates and pool is not None:
+            selection = self.indexer.select_in_pool(xn, q_residual, cache.index_keys(source), cos, sin, positions,
+                                                    cache.stores[source].ratio, pool)  # inside the candidate blocks
+        elif role.is_index_source and has_entries:  # a new choice over the source's entries
             scores = self.indexer.scores(xn, q_residual, cache.index_keys(source), cos, sin)
             selection, new_pool = self.indexer.select(scores, positions, cache.stores[source].ratio, pool)
             pool = new_pool if role.is_candidate_source else pool

@@ -116,3 +116,30 @@ def test_dspark_and_vision_tensors_are_skipped_with_one_logged_line(caplog):
     with caplog.at_level(logging.INFO, logger="ced.deepseek_v41.model"):
         assert skipped_tensors(names) == names[1:]
     assert len(caplog.records) == 1 and "DSpark/vision" in caplog.text
+
+
+def test_a_reindex_layer_scores_inside_the_pool_and_picks_what_masking_every_entry_picks(model, tiny_v41):
+    """select_in_pool (O(pool) a query) chooses the entries that scoring every entry and masking the rest to the
+    candidate blocks chooses (O(context)), ties included."""
+    from ced.deepseek_v41.model import Selection
+
+    layer = next(layer for layer in model.layers if layer.attn.role.uses_candidates)
+    indexer, config, g = layer.attn.indexer, tiny_v41, torch.Generator().manual_seed(3)
+    B, T, N, ratio = 1, 6, 57, 1
+    xn = torch.randn(B, T, config.hidden_size, generator=g)
+    q_residual = torch.randn(B, T, config.q_lora_rank, generator=g)
+    keys = torch.randn(B, N, config.index_head_dim, generator=g)
+    keys[:, ::3] = 0  # exact-zero scores: the tie rule decides
+    positions = torch.arange(N - T, N)[None]
+    cos = torch.randn(T, config.qk_rope_head_dim // 2, generator=g)
+    sin = torch.randn(T, config.qk_rope_head_dim // 2, generator=g)
+    n_blocks = -(-N // config.candidate_block_size)
+    P = config.candidate_topk_blocks
+    idx = torch.stack([torch.randperm(n_blocks, generator=g)[:P] for _ in range(T)])[None]
+    valid = torch.ones_like(idx, dtype=torch.bool)
+    valid[..., -1] = False  # an invalid pool slot is ignored
+    pool = Selection(idx, valid)
+    with torch.no_grad():
+        masked, _ = indexer.select(indexer.scores(xn, q_residual, keys, cos, sin), positions, ratio, pool)
+        inside = indexer.select_in_pool(xn, q_residual, keys, cos, sin, positions, ratio, pool)
+    assert torch.equal(inside.valid, masked.valid) and torch.equal(inside.idx, masked.idx)
