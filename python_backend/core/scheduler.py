@@ -41,10 +41,10 @@ import torch
 from torch import Tensor
 
 from ced.batched import BatchedEngine
-from ced.state import ConversationState
 from ced.engine import SamplingParams, sample
 from ced.paged import Resident
 from ced.prefix_cache import CachedPrefix, PrefixCache
+from ced.state import ConversationState
 from ced.tokenization import ChatTokenizer
 
 from .inputs import RequestError
