@@ -171,6 +171,9 @@ class BatchedEngine:
     def nbytes(self, row: Resident) -> int:
         return self.pool.nbytes(row)
 
+    def unshared_nbytes(self, rows: list[Resident]) -> int:
+        return self.pool.unshared_nbytes(rows)
+
     def delta(self, row: Resident, since: int) -> StateDelta:
         """What the conversation gained since it held `since` tokens (0: all of it), for the journal: the new
         tokens and global entries, and the W-bounded shared parts whole. O(new tokens + W)."""

@@ -103,7 +103,7 @@ class PrefixCache:
         self.engine.close(entry.row)
 
     def _measure(self) -> int:
-        return self.engine.pool.unshared_nbytes([entry.row for entry in self.entries.values()])
+        return self.engine.unshared_nbytes([entry.row for entry in self.entries.values()])
 
 
 def _chain(tokens: list[int], blocks: int) -> list[bytes]:

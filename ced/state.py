@@ -8,10 +8,13 @@ tensor with batch dimension 1 (one conversation); byte counts are the tensors' o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from .config import CEDConfig
 
 
 def _nbytes(*tensors: Tensor | None) -> int:
@@ -157,6 +160,82 @@ class StateDelta:
         parts = [*self.pending.values(), *(t for w in self.windows.values() for t in w), self.stream,
                  *(self.selection or ())]
         return sum(t.nbytes for t in parts if t is not None)
+
+
+class DeltaError(ValueError):
+    """A delta that does not fit the state it is taken from or applied to."""
+
+
+def dense(tensor: Tensor) -> Tensor:
+    """A dense copy: a size-1 dim may carry stride 0 (ONNX Runtime outputs do), and a delta must not share storage
+    with the live state it was taken from."""
+    return tensor.detach().clone(memory_format=torch.contiguous_format)
+
+
+def copy_state(state: ConversationState) -> ConversationState:
+    """A second conversation with `state`'s contents. The tensors are shared: every engine replaces a state's tensors
+    and never writes into them (windows and stores grow by concatenation), so only the containers are new."""
+    shared, bound = state.shared, state.bound
+    windows = lambda held: {i: LocalWindow(w.size, w.k, w.v) for i, w in held.items()}  # noqa: E731
+    stores = {i: GlobalKV(g.k, g.v, g.index_keys, g.pending) for i, g in shared.globals.items()}
+    return ConversationState(SharedState(windows(shared.windows), stores, shared.stream, shared.selection,
+                                         list(shared.tokens)),
+                             AdapterState(bound.adapter, windows(bound.windows), bound.length, bound.digest))
+
+
+def empty_state(config: CEDConfig) -> ConversationState:
+    """A conversation with no tokens, as CEDEngine.new_conversation builds it, from the config alone."""
+    windows = lambda layers: {i: LocalWindow(config.window) for i in layers}  # noqa: E731
+    shared = SharedState(windows(range(config.decoder_start + 1)), {i: GlobalKV() for i in config.source_layers})
+    return ConversationState(shared, AdapterState(None, windows(config.adapter_bound_layers)))
+
+
+def _first_new_entry(globals_: dict[int, GlobalKV], length: int, since_length: int) -> int:
+    """since_length // m, with m read off the state (a source holds length // m entries and length % m pending
+    rows), so that a delta is taken without the config."""
+    store = next(iter(globals_.values()), None)
+    if store is None or store.n_entries == 0:
+        return 0
+    pending = 0 if store.pending is None else store.pending.shape[1]
+    return since_length // ((length - pending) // store.n_entries)
+
+
+def delta_of(state: ConversationState, since_length: int) -> StateDelta:
+    """What `state` holds beyond its first `since_length` tokens (0: the whole state, a snapshot)."""
+    shared = state.shared
+    if not 0 <= since_length <= shared.length:
+        raise DeltaError(f"cannot take a delta since token {since_length} of a state of {shared.length} tokens")
+    first = _first_new_entry(shared.globals, shared.length, since_length)
+    entries = {layer: (dense(g.k[:, first:]), dense(g.v[:, first:]), dense(g.index_keys[:, first:]))
+               for layer, g in shared.globals.items() if g.k is not None}
+    pending = {layer: None if g.pending is None or g.pending.shape[1] == 0 else dense(g.pending)
+               for layer, g in shared.globals.items()}
+    windows = {layer: (dense(w.k), dense(w.v)) for layer, w in shared.windows.items() if w.k is not None}
+    stream = None if shared.stream is None else dense(shared.stream)
+    selection = None if shared.selection is None else (dense(shared.selection.idx), dense(shared.selection.valid))
+    return StateDelta(since_length, list(shared.tokens[since_length:]), entries, pending, windows, stream, selection,
+                      state.bound.adapter)
+
+
+def apply_delta(state: ConversationState, delta: StateDelta) -> None:
+    """Extend `state` (of exactly delta.start_length tokens) by `delta`. The adapter-bound windows come back empty,
+    for `delta.bound_adapter` at length 0: the next turn rebuilds them by replay."""
+    shared = state.shared
+    if shared.length != delta.start_length:
+        raise DeltaError(f"the delta starts at token {delta.start_length}, the state holds {shared.length}")
+    unknown = sorted(set(delta.entries) - set(shared.globals)) + sorted(set(delta.windows) - set(shared.windows))
+    if unknown:
+        raise DeltaError(f"the delta names layers {unknown} this state does not have")
+    shared.tokens.extend(delta.tokens)
+    for layer, store in shared.globals.items():
+        if layer in delta.entries:
+            store.add_entries(*delta.entries[layer])
+        store.pending = delta.pending.get(layer)
+    for layer, window in shared.windows.items():
+        window.k, window.v = delta.windows.get(layer, (None, None))
+    shared.stream = delta.stream
+    shared.selection = None if delta.selection is None else Selection(*delta.selection)
+    state.bound = AdapterState(delta.bound_adapter, {i: LocalWindow(w.size) for i, w in state.bound.windows.items()})
 
 
 # -- what the model's attention reads and writes ---------------------------------------------------------------

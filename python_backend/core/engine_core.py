@@ -10,13 +10,15 @@ core, and they exchange one message per step (vLLM's V1 engine core does the sam
 
 The stub sends ("requests", [(request id, {input name: array})]), ("cancel", id) and ("stop",);
 the core answers with lists of events, one list per decode step and per iteration (Outbox):
-  ("token", id, token, outputs or None)   a streamed token; `outputs`, the turn's constant outputs, on its first
-  ("final", id, ids or None, count, finish_reason, outputs)   ids: all of them when not streaming
+  ("token", id, token, outputs or None, logprobs or None)   a streamed token; `outputs`, the turn's constant outputs,
+                                           on its first; `logprobs` (token_logprobs) when the request asked
+  ("final", id, ids or None, count, finish_reason, outputs, logprobs or None)   ids (and logprobs): all of them
+                                           when not streaming
   ("error", id, message or None, code)   None: cancelled, an empty last response
   ("count", metric, adapter, value)   a counter increment (the stub owns Triton's metrics)
 The router still runs between the adapter-free stage and the decoder inside the request: the scheduler routes a
-turn on its pooled H19 when its prefill ends. With `--engine onnxruntime` (or tensorrt) the same turn runs serially
-through the Triton-free stages instead (python_backend/core/stages.py), one turn at a time.
+turn on its pooled H19 when its prefill ends. With `--engine onnxruntime` (or tensorrt) the scheduler is the same;
+it drives the exported graphs a row at a time (ced/row_engine.py).
 
 Run as `python -m python_backend.core.engine_core FD_IN FD_OUT` (the stub's pipes); the first message is
 ("init", the model's parameters), answered by ("ready", model dir) or ("failed", traceback).
@@ -28,7 +30,6 @@ import errno
 import json
 import logging
 import os
-import queue
 import sys
 import threading
 import traceback
@@ -37,36 +38,31 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from ced.batched import BatchedEngine
 from ced.tokenization import check_messages
 
 from .detokenize import check_ids
 from .inputs import RequestError, as_scalar, as_text, generation, text_size
-from .limits import check_context
-from .routing import load_scorer
+from .routing import BASE_NAME, RouterStage, load_scorer
 from .scheduler import CancelledTurn, Scheduler, Turn
 from .server_errors import ENGINE_FAILED, STATE_DAMAGED, STORAGE_FULL
 from .serving import Served
 from .settings import ServingSettings
-from .stages import BASE_NAME, DecodeStage, RouterStage
 from .store import StoreDamaged, check_id
 
 log = logging.getLogger("mol2.engine")
 
 
 class Outbox:
-    """Events to the stub, sent as one message per `flush` (`eager`: per event, for the serial path)."""
+    """Events to the stub, sent as one message per `flush`."""
 
-    def __init__(self, connection: Connection, eager: bool = False):
-        self.connection, self.eager = connection, eager
+    def __init__(self, connection: Connection):
+        self.connection = connection
         self._events: list[tuple] = []
         self._lock = threading.Lock()
 
     def post(self, event: tuple) -> None:
         with self._lock:
             self._events.append(event)
-        if self.eager:
-            self.flush()
 
     def flush(self) -> None:
         with self._lock:
@@ -86,30 +82,22 @@ class EngineCore:
     def __init__(self, served: Served, scorer, parameters: dict[str, str], outbox: Outbox):
         self.served, self.outbox = served, outbox
         self.router = RouterStage(scorer)
-        self.decode = DecodeStage(served.engine, served.store, served.tokenizer, served.load_errors)
         self.sinks: dict[int, EventSink] = {}  # request id -> its turn's sink, until its last event
-        if served.settings.engine == "torch":
-            chunk_threads = engine_setting(parameters, "chunk_threads", len(os.sched_getaffinity(0)))
-            prefix_cache_bytes = engine_setting(parameters, "prefix_cache_mb", 1024) << 20
-            engine = BatchedEngine(served.engine, chunk_threads=chunk_threads, capacity_bytes=prefix_cache_bytes)
-            self.scheduler = Scheduler(engine, served.store, served.tokenizer, self._engine_adapter,
-                                       served.sync_current, token_budget=int(parameters.get("token_budget", "512")),
-                                       max_resident=int(parameters.get("max_resident", "64")),
-                                       prefix_cache_bytes=prefix_cache_bytes, publish=outbox.flush).start()
-            self.serial = None
-        else:  # exported graphs: CEDEngine's interface, one conversation per call
-            outbox.eager = True
-            self.scheduler = None
-            self.serial = SerialTurns(self)
+        chunk_threads = engine_setting(parameters, "chunk_threads", len(os.sched_getaffinity(0)))
+        prefix_cache_bytes = engine_setting(parameters, "prefix_cache_mb", 1024) << 20
+        engine = served.serving_engine(chunk_threads, capacity_bytes=prefix_cache_bytes)
+        self.scheduler = Scheduler(engine, served.store, served.tokenizer, self._engine_adapter,
+                                   served.sync_current, token_budget=int(parameters.get("token_budget", "512")),
+                                   max_resident=int(parameters.get("max_resident", "64")),
+                                   prefix_cache_bytes=prefix_cache_bytes, publish=outbox.flush).start()
 
     def stop(self) -> None:
-        if self.scheduler is not None:
-            self.scheduler.stop()
+        self.scheduler.stop()
         self.outbox.flush()
 
     def _engine_adapter(self, decision) -> str | None:
         self.outbox.count("mol2_routes_read", str(decision.adapter_hash))
-        return self.decode.adapter_for(self.served.watcher.current, decision.adapter_hash)
+        return self.served.adapter_for(self.served.watcher.current, decision.adapter_hash)
 
     # -- requests ------------------------------------------------------------------------------------------------
 
@@ -122,10 +110,7 @@ class EngineCore:
                 self.outbox.post(error_event(request_id, error))
                 continue
             self.sinks[request_id] = turn.sink
-            if self.scheduler is not None:
-                self.scheduler.submit(turn)
-            else:
-                self.serial.submit(turn)
+            self.scheduler.submit(turn)
         self.outbox.flush()
 
     def cancel(self, request_id: int) -> None:
@@ -161,8 +146,6 @@ class EngineCore:
                     bool(get("ignore_eos", bool, False)), bool(get("end_conversation", bool, False)),
                     explicit=bool(explicit), new=not given and prompt is None, prompt=prompt,
                     route_start=route_start)
-        if prompt is None:
-            self.served.store.begin_turn(conversation_id)  # a second turn on it is refused until this one ends
         return turn
 
     def _stateless_prompt(self, inputs: dict[str, np.ndarray]) -> tuple[list[int] | None, int]:
@@ -238,7 +221,8 @@ class EventSink:
             self.core.outbox.count("mol2_routes_applied", adapter)
             self.core.outbox.count("mol2_replayed_tokens", adapter, turn.replayed)
         if self.stream:
-            self.core.outbox.post(("token", self.request_id, token, turn_outputs(turn) if first else None))
+            self.core.outbox.post(("token", self.request_id, token, turn_outputs(turn) if first else None,
+                                   token_logprobs(turn, turn.logprobs[-1:])))
 
     def finished(self, turn: Turn) -> None:
         outbox, adapter = self.core.outbox, turn.decision.adapter
@@ -247,7 +231,8 @@ class EventSink:
         outbox.count("mol2_state_bytes_moved", adapter, turn.bytes_moved)
         self.core.sinks.pop(self.request_id, None)
         ids = None if self.stream else list(turn.generated)  # streamed: the stub has them
-        outbox.post(("final", self.request_id, ids, len(turn.generated), turn.finish_reason, turn_outputs(turn)))
+        outbox.post(("final", self.request_id, ids, len(turn.generated), turn.finish_reason, turn_outputs(turn),
+                     None if self.stream else token_logprobs(turn, turn.logprobs)))
 
     def failed(self, error: Exception, turn: Turn) -> None:
         self.core.sinks.pop(self.request_id, None)
@@ -264,6 +249,13 @@ class EventSink:
         self._cancelled = True
 
 
+def token_logprobs(turn: Turn, logprobs: list) -> list | None:
+    """The `logprobs` output of these tokens, when the request asked: [id, logprob, [[id, logprob], ...]] each."""
+    if turn.sampling.logprobs is None:
+        return None
+    return [[entry.token, entry.logprob, [list(pair) for pair in entry.top]] for entry in logprobs]
+
+
 def turn_outputs(turn: Turn) -> dict[str, object]:
     """The outputs that stay the same for the whole turn."""
     decision = turn.decision
@@ -271,65 +263,6 @@ def turn_outputs(turn: Turn) -> dict[str, object]:
             "route_scores": json.dumps(decision.scores if decision else {}, sort_keys=True),
             "replayed_tokens": turn.replayed, "conversation_id_out": turn.conversation_id,
             "prompt_tokens": turn.prompt_tokens, "cached_tokens": turn.cached}
-
-
-class SerialTurns:
-    """A worker thread that runs queued turns one at a time through the serial stages (non-torch engines)."""
-
-    def __init__(self, core: EngineCore):
-        self.core, self.queue = core, queue.Queue()
-        threading.Thread(target=self._run, name="mol2-serial", daemon=True).start()
-
-    def submit(self, turn: Turn) -> None:
-        self.queue.put(turn)
-
-    def _run(self) -> None:
-        while True:
-            turn = self.queue.get()
-            try:
-                self._serve(turn)
-            except Exception as error:  # noqa: BLE001
-                turn.sink.failed(error, turn)
-            finally:
-                if not turn.stateless:
-                    self.core.served.store.end_turn(turn.conversation_id)
-
-    def _serve(self, turn: Turn) -> None:
-        served, core = self.core.served, self.core
-        changes = core.served.sync_current()
-        if changes:
-            log.info("adapter set changed: %s", "; ".join(changes))
-        fresh = turn.new or turn.stateless  # a stateless turn is served whole, without a prefix cache here
-        state = served.engine.new_conversation() if fresh else served.store.load(turn.conversation_id)
-        tokens = turn.prompt if turn.stateless else served.tokenizer.user_turn(turn.text_ids, first=state.length == 0)
-        turn.tokens = tokens
-        served.store.limits.check_prompt(len(tokens))  # max_prompt_tokens (python_backend/core/limits.py)
-        check_context(state.length, len(tokens), served.engine.config.max_context)
-        h19 = served.engine.prefill(state, tokens)
-        skip = turn.route_start if turn.stateless else 1 if turn.new and served.tokenizer.trained else 0
-        turn.decision = turn.route(None if turn.explicit else h19[skip:].mean(0))
-        adapter = core._engine_adapter(turn.decision)
-        logits, turn.replayed = served.engine.replay(state, adapter)
-        budget = min(turn.max_tokens, served.engine.config.max_context - state.length)
-        stop = () if turn.ignore_eos else served.tokenizer.stop_ids
-        for token in served.engine.generate(state, adapter, logits, budget, turn.sampling, stop):
-            if turn.sink.cancelled():
-                turn.sink.failed(CancelledTurn("cancelled by the client"), turn)
-                return
-            turn.generated.append(token)
-            turn.sink.token(token, turn)
-        stopped = bool(turn.generated) and turn.generated[-1] in stop
-        turn.finish_reason = "stop" if stopped else "length"
-        if turn.stateless:
-            turn.sink.finished(turn)
-            return
-        before = served.store.bytes_written
-        if turn.end_conversation:
-            served.store.delete(turn.conversation_id)
-        else:
-            served.store.save(turn.conversation_id, state)
-        turn.bytes_written = served.store.bytes_written - before
-        turn.sink.finished(turn)
 
 
 def main(fd_in: int, fd_out: int) -> None:

@@ -27,7 +27,7 @@ from safetensors.torch import load, save
 from torch import Tensor
 
 from ced.config import CEDConfig
-from ced.state import AdapterState, ConversationState, GlobalKV, LocalWindow, Selection, SharedState, StateDelta
+from ced.state import DeltaError, StateDelta, dense
 
 from .transfer import config_fingerprint
 
@@ -37,73 +37,12 @@ _HEAD = len(MAGIC) + 8  # magic + payload length
 DIGEST_SIZE = _DIGEST = 16  # a record ends with its digest
 
 
-class JournalError(ValueError):
-    """A delta that does not fit the state it is applied to, or a record that cannot be read."""
+# A delta that does not fit the state it is applied to (ced/state.py raises it), or a record that cannot be read.
+JournalError = DeltaError
 
 
 class TornRecord(JournalError):
     """The file ends inside a record: a write cut off (a kill mid-append), or a damaged length field."""
-
-
-def _dense(tensor: Tensor) -> Tensor:
-    """A dense copy: a size-1 dim may carry stride 0 (ONNX Runtime outputs do), and a delta must not share storage
-    with the live state it was taken from."""
-    return tensor.detach().clone(memory_format=torch.contiguous_format)
-
-
-def empty_state(config: CEDConfig) -> ConversationState:
-    """A conversation with no tokens, as CEDEngine.new_conversation builds it, from the config alone."""
-    windows = lambda layers: {i: LocalWindow(config.window) for i in layers}  # noqa: E731
-    shared = SharedState(windows(range(config.decoder_start + 1)), {i: GlobalKV() for i in config.source_layers})
-    return ConversationState(shared, AdapterState(None, windows(config.adapter_bound_layers)))
-
-
-def _first_new_entry(globals_: dict[int, GlobalKV], length: int, since_length: int) -> int:
-    """since_length // m, with m read off the state (a source holds length // m entries and length % m pending
-    rows), so that a delta is taken without the config."""
-    store = next(iter(globals_.values()), None)
-    if store is None or store.n_entries == 0:
-        return 0
-    pending = 0 if store.pending is None else store.pending.shape[1]
-    return since_length // ((length - pending) // store.n_entries)
-
-
-def delta_of(state: ConversationState, since_length: int) -> StateDelta:
-    """What `state` holds beyond its first `since_length` tokens (0: the whole state, a snapshot)."""
-    shared = state.shared
-    if not 0 <= since_length <= shared.length:
-        raise JournalError(f"cannot take a delta since token {since_length} of a state of {shared.length} tokens")
-    first = _first_new_entry(shared.globals, shared.length, since_length)
-    entries = {layer: (_dense(g.k[:, first:]), _dense(g.v[:, first:]), _dense(g.index_keys[:, first:]))
-               for layer, g in shared.globals.items() if g.k is not None}
-    pending = {layer: None if g.pending is None or g.pending.shape[1] == 0 else _dense(g.pending)
-               for layer, g in shared.globals.items()}
-    windows = {layer: (_dense(w.k), _dense(w.v)) for layer, w in shared.windows.items() if w.k is not None}
-    stream = None if shared.stream is None else _dense(shared.stream)
-    selection = None if shared.selection is None else (_dense(shared.selection.idx), _dense(shared.selection.valid))
-    return StateDelta(since_length, list(shared.tokens[since_length:]), entries, pending, windows, stream, selection,
-                      state.bound.adapter)
-
-
-def apply_delta(state: ConversationState, delta: StateDelta) -> None:
-    """Extend `state` (of exactly delta.start_length tokens) by `delta`. The adapter-bound windows come back empty,
-    for `delta.bound_adapter` at length 0: the next turn rebuilds them by replay."""
-    shared = state.shared
-    if shared.length != delta.start_length:
-        raise JournalError(f"the delta starts at token {delta.start_length}, the state holds {shared.length}")
-    unknown = sorted(set(delta.entries) - set(shared.globals)) + sorted(set(delta.windows) - set(shared.windows))
-    if unknown:
-        raise JournalError(f"the delta names layers {unknown} this state does not have")
-    shared.tokens.extend(delta.tokens)
-    for layer, store in shared.globals.items():
-        if layer in delta.entries:
-            store.add_entries(*delta.entries[layer])
-        store.pending = delta.pending.get(layer)
-    for layer, window in shared.windows.items():
-        window.k, window.v = delta.windows.get(layer, (None, None))
-    shared.stream = delta.stream
-    shared.selection = None if delta.selection is None else Selection(*delta.selection)
-    state.bound = AdapterState(delta.bound_adapter, {i: LocalWindow(w.size) for i, w in state.bound.windows.items()})
 
 
 # -- records ------------------------------------------------------------------------------------------------
@@ -114,7 +53,7 @@ def encode_record(delta: StateDelta, config: CEDConfig) -> bytes:
 
     def put(name: str, tensor: Tensor | None) -> None:
         if tensor is not None:
-            tensors[name] = _dense(tensor)
+            tensors[name] = dense(tensor)
 
     for layer, (k, v, index_keys) in delta.entries.items():
         put(f"entries.{layer}.k", k), put(f"entries.{layer}.v", v), put(f"entries.{layer}.index_keys", index_keys)

@@ -49,7 +49,7 @@ from ced.tokenization import ChatTokenizer
 
 from .inputs import RequestError
 from .limits import check_context
-from .stages import RouteDecision
+from .routing import RouteDecision
 from .store import ConversationStore
 
 log = logging.getLogger(__name__)
@@ -82,8 +82,10 @@ class Turn:
     prompt: list[int] | None = None  # a stateless turn: its whole rendered chat or prompt (no conversation)
     route_start: int = 0  # the position where the turn the router pools begins
     handed: ConversationState | None = None  # prefilled and routed elsewhere (a decode server): enters at replay
-    returns_state: bool = False  # a handed turn's state goes back to its sender (`final_state`), nothing stored
+    leaves_prefilled: bool = False  # a prefill server's turn: leaves after prefill with `final_state` and `pooled`
+    returns_state: bool = False  # the state goes back to its sender (`final_state`), who holds the lock; nothing stored
     # progress, kept by the scheduler
+    locked: bool = False  # holds the conversation's turn lock (taken when opened, released when it ends)
     row: Resident | None = None
     tokens: list[int] = field(default_factory=list)  # the templated turn to prefill
     prefilled: int = 0
@@ -237,6 +239,9 @@ class Scheduler:
                 self._fail(turn, error)
 
     def _open(self, turn: Turn) -> None:
+        if not (turn.stateless or turn.returns_state):  # the lock is ours (a returned state's is its sender's)
+            self.store.begin_turn(turn.conversation_id)  # a second turn on it is refused until this one ends
+            turn.locked = True
         if turn.sampling.seed is not None:
             turn.generator = torch.Generator().manual_seed(turn.sampling.seed)
         if turn.handed is not None:  # nothing to prefill: straight to route (the decision came with it) and replay
@@ -318,6 +323,9 @@ class Scheduler:
         routed = []
         for turn in ready:
             try:
+                if turn.leaves_prefilled:
+                    self._leave_prefilled(turn)
+                    continue
                 self._route(turn)
                 routed.append(turn)
             except Exception as error:  # noqa: BLE001
@@ -346,6 +354,15 @@ class Scheduler:
         for (turn, chunk), rows in zip(runnable, h19):
             turn.h19.append(rows)
             turn.prefilled += len(chunk)
+
+    def _leave_prefilled(self, turn: Turn) -> None:
+        """A prefill server's turn ends here: the router and the decoder run elsewhere, on what it hands on."""
+        turn.pooled, turn.h19 = self._pooled(turn), []
+        turn.final_state = self.engine.export(turn.row)
+        self.engine.close(turn.row)
+        turn.row = None
+        self._release(turn)
+        turn.sink.finished(turn)
 
     def _route(self, turn: Turn) -> None:
         pooled = None
@@ -496,10 +513,8 @@ class Scheduler:
             state = self.engine.export(turn.row)
             if turn.returns_state:
                 turn.final_state = state
-            elif turn.end_conversation:
-                self.store.delete(turn.conversation_id)
             else:
-                self.store.save(turn.conversation_id, state)
+                self.store.commit(turn.conversation_id, state, turn.end_conversation)
         except Exception as error:  # noqa: BLE001 - not returned or stored: the client must not think it was
             self._fail(turn, error)
             return
@@ -522,7 +537,8 @@ class Scheduler:
         turn.sink.failed(error, turn)
 
     def _release(self, turn: Turn) -> None:
-        if not turn.stateless and not turn.returns_state:  # a returned state's lock is its sender's
+        if turn.locked:
+            turn.locked = False
             self.store.end_turn(turn.conversation_id)
 
     def _keep_end_state(self, row: Resident) -> None:

@@ -8,11 +8,15 @@ from dataclasses import dataclass
 
 import torch
 
+from ced.batched import BatchedEngine
 from ced.engine import CEDEngine
 from ced.engines import make_engine
+from ced.row_engine import RowEngine
 from ced.tokenization import ChatTokenizer
 
-from .adapter_set import AdapterSetWatcher, sync_registry
+from .adapter_set import AdapterSet, AdapterSetWatcher, sync_registry
+from .fnv import BASE
+from .inputs import RequestError
 from .settings import ServingSettings
 from .store import ConversationStore
 
@@ -50,6 +54,27 @@ class Served:
             sync_registry(engine.adapters, served.watcher.current, served.fingerprints, served.load_errors)
             served.synced = served.watcher.current
         return served
+
+    def serving_engine(self, chunk_threads: int | None = None, capacity_bytes: int = 0) -> BatchedEngine | RowEngine:
+        """What the scheduler drives: the torch engine's paged pool, batched; an exported engine's graphs, a row at
+        a time (ced/row_engine.py)."""
+        if self.settings.engine == "torch":
+            return BatchedEngine(self.engine, chunk_threads=chunk_threads, capacity_bytes=capacity_bytes)
+        return RowEngine(self.engine)
+
+    def adapter_for(self, adapter_set: AdapterSet, adapter_hash: int) -> str | None:
+        """The engine's name of the adapter a routing decision names by hash (None: the base model); refused when
+        this process does not have it loaded."""
+        if adapter_hash == BASE:
+            return None
+        entry = adapter_set.by_hash(adapter_hash)
+        if entry is not None and entry.name in self.load_errors:
+            raise RequestError(f"adapter {entry.name!r} is in the adapter set but failed to load: "
+                               f"{self.load_errors[entry.name]}")
+        if entry is None or entry.name not in self.engine.adapters:
+            raise RequestError(f"the transfer names adapter hash {adapter_hash}, which this server does not have "
+                               "loaded (its adapter set differs from the prefill server's)")
+        return entry.name
 
     def sync_current(self) -> list[str]:
         """For an engine that runs on a thread of its own, between its steps: bring the registry to the set the

@@ -43,10 +43,9 @@ from pathlib import Path
 from typing import Callable
 
 from ced.config import CEDConfig
-from ced.state import ConversationState
+from ced.state import ConversationState, StateDelta, apply_delta, delta_of, empty_state
 
-from .journal import (DIGEST_SIZE, JournalError, JournalScan, StateDelta, apply_delta, delta_of, empty_state,
-                      encode_record, journal_length, read_journal, record_digest)
+from .journal import DIGEST_SIZE, JournalError, JournalScan, encode_record, journal_length, read_journal, record_digest
 from .limits import Limits
 
 log = logging.getLogger(__name__)
@@ -173,9 +172,16 @@ class ConversationStore:
         else:
             self._append(conversation_id, journal, delta_of(state, journal.length), state)
 
+    def commit(self, conversation_id: str, state: ConversationState, end_conversation: bool) -> None:
+        """A turn's final state becomes the conversation's one stored copy; the last turn frees it instead."""
+        if end_conversation:
+            self.delete(conversation_id)
+        else:
+            self.save(conversation_id, state)
+
     def append(self, conversation_id: str, delta: StateDelta,
                snapshot: Callable[[], StateDelta] | None = None) -> None:
-        """Append a delta taken elsewhere (journal.delta_of); it must start where the journal ends. A snapshot
+        """Append a delta taken elsewhere (ced.state.delta_of); it must start where the journal ends. A snapshot
         (start_length 0) replaces the journal. `snapshot` gives the whole state when compaction is due, or when the
         journal was damaged since this process wrote it (the resident pool has it: no read of the journal back)."""
         if delta.start_length == 0:

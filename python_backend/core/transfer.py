@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 from safetensors import SafetensorError
 from safetensors.torch import load, save
 
 from ced.config import CEDConfig
 from ced.state import AdapterState, ConversationState, GlobalKV, LocalWindow, Selection, SharedState
+
+from .fnv import BASE
+from .inputs import RequestError
 
 FORMAT = "mol2-state-2"  # 2: the checksum covers the metadata fields too
 
@@ -122,3 +127,21 @@ def _decode_state(data: bytes, config: CEDConfig) -> ConversationState:
 def _read_metadata(data: bytes) -> dict:
     header_length = int.from_bytes(data[:8], "little")
     return json.loads(data[8: 8 + header_length]).get("__metadata__", {})
+
+
+@dataclass
+class TransferMeta:
+    """The per-request row that travels with the state: [length, adapter hash]."""
+
+    length: int
+    adapter_hash: int = BASE
+
+    def to_tensor(self) -> Tensor:
+        return torch.tensor([self.length, self.adapter_hash], dtype=torch.int64)
+
+    @classmethod
+    def from_tensor(cls, values) -> "TransferMeta":
+        values = [int(v) for v in values]
+        if len(values) != 2:
+            raise RequestError(f"transfer metadata has {len(values)} fields, expected 2")
+        return cls(*values)

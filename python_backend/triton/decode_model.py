@@ -2,10 +2,9 @@
 positions under that adapter, then streams token ids (one response per token with `stream`, else one aggregated
 response) for the `detokenize` step to turn into text.
 
-On the torch engine every request is a handed turn of the scheduler (python_backend/core/scheduler.py), which
-replays and decodes all of them in one batch, each under its own adapter: `execute` checks and hands over, the
-scheduler's thread sends the responses. Exported graphs (onnxruntime, TensorRT) serve one turn at a time through
-python_backend/core/stages.py's DecodeStage.
+Every request is a handed turn of the scheduler (python_backend/core/scheduler.py), which replays and decodes all
+of them together, each under its own adapter (in one batch on the torch engine, a row at a time on exported graphs):
+`execute` checks and hands over, the scheduler's thread sends the responses.
 
 With `_return_state` (a disaggregated prefill server's relay) the final state comes back in `_state_out`, in a last
 response of its own, sealed in `_state_seal`, and the store is not touched: the prefill server owns it. `_state`
@@ -22,20 +21,34 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ced.batched import BatchedEngine
+from ced.engine import SamplingParams
 
-from ..core.delta_transfer import DecodeTransfers, cache_bytes
+from ..core.delta_transfer import DecodeTransfers, Received, cache_bytes
 from ..core.detokenize import window
 from ..core.inputs import RequestError, generation
+from ..core.routing import BASE_NAME, RouteDecision
 from ..core.scheduler import CancelledTurn, Scheduler, Turn
 from ..core.seal import DECODE, RETURNED, Sealer, decode_fields, returned_fields
 from ..core.serving import Served
 from ..core.settings import ServingSettings, triton_parameters
-from ..core.stages import DecodeRequest, DecodeStage, RouteDecision, TransferMeta
+from ..core.transfer import TransferMeta
 from .engine_model import CANCEL_CHECK_S
 from .metrics import Counters
 from .triton_io import (Outputs, as_scalar, as_text, failure_response, optional, requested_outputs, require_decoupled,
                         required, response)
+
+
+@dataclass
+class DecodeRequest:
+    conversation_id: str
+    state: bytes  # the transfer: a full state, or a delta on one this server keeps
+    meta: TransferMeta
+    max_tokens: int = 64
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    end_conversation: bool = False
+    return_state: bool = False  # disaggregated: the prefill server owns the store and the turn lock
+    ignore_eos: bool = False  # generate past the tokenizer's stop tokens (benchmarks)
+    received: Received | None = None  # the state `state` carries, once resolved (DecodeTransfers.receive)
 
 
 @dataclass
@@ -53,24 +66,18 @@ class DecodeModel:
         self.pb, self.outputs = pb, Outputs(pb, model_config)
         self.final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         self.served = Served.open(ServingSettings.from_parameters(triton_parameters(model_config)))
-        batched = BatchedEngine(self.served.engine) if self.served.settings.engine == "torch" else None
         self.counters = Counters(pb, "decode")
-        transfers = DecodeTransfers(self.served.engine.config,
-                                    cache_bytes(triton_parameters(model_config).get("transfer_cache_mb", "auto")),
-                                    self.counters.count)
-        self.stage = DecodeStage(self.served.engine, self.served.store, self.served.tokenizer,
-                                 self.served.load_errors, batched, transfers)
+        self.transfers = DecodeTransfers(self.served.engine.config,
+                                         cache_bytes(triton_parameters(model_config).get("transfer_cache_mb", "auto")),
+                                         self.counters.count)
         self.sealer = Sealer.from_environment()
-        self.scheduler = None
         self._answered = threading.Condition()
         self._outstanding = 0  # handed turns not answered yet
-        if batched is not None:
-            self.scheduler = Scheduler(batched, self.served.store, self.served.tokenizer, self._engine_adapter,
-                                       self.served.sync_current, prefix_cache_bytes=0).start()
+        self.scheduler = Scheduler(self.served.serving_engine(), self.served.store, self.served.tokenizer,
+                                   self._engine_adapter, self.served.sync_current, prefix_cache_bytes=0).start()
 
     def finalize(self) -> None:
-        if self.scheduler is not None:
-            self.scheduler.stop()
+        self.scheduler.stop()
         self.counters.close()
 
     def idle(self, timeout_s: float = 60.0) -> bool:
@@ -84,15 +91,10 @@ class DecodeModel:
             self._answered.notify_all()
 
     def _engine_adapter(self, decision: RouteDecision) -> str | None:
-        return self.stage.adapter_for(self.served.watcher.current, decision.adapter_hash)
+        return self.served.adapter_for(self.served.watcher.current, decision.adapter_hash)
 
     def execute(self, requests) -> None:
-        if self.scheduler is not None:
-            self.served.watcher.poll()  # the scheduler takes a changed set between its steps
-        else:
-            changes = self.served.refresh()  # live configuration: the adapter-set file changed
-            if changes:
-                self.pb.Logger.log_info(f"adapter set changed: {'; '.join(changes)}")
+        self.served.watcher.poll()  # the scheduler takes a changed set between its steps
         for request in requests:
             sender = request.get_response_sender()
             try:  # refused here, the request has touched nothing: no lock is taken or released
@@ -101,12 +103,8 @@ class DecodeModel:
                 sender.send(failure_response(self.pb, error, "decode"), flags=self.final)
                 continue
             try:
-                if self.scheduler is not None:
-                    self.hand_over(parsed, sender, requested_outputs(request))
-                else:
-                    self.serve(parsed, sender, requested_outputs(request))
-            except Exception as error:  # noqa: BLE001
-                self._end_turn_here(parsed.request)  # idempotent: the stage may have ended it already
+                self.hand_over(parsed, sender, requested_outputs(request))
+            except Exception as error:  # noqa: BLE001 - refused before the scheduler took it (and the lock)
                 sender.send(failure_response(self.pb, error, "decode"), flags=self.final)
 
     def parse(self, request) -> ParsedDecode:
@@ -127,17 +125,12 @@ class DecodeModel:
             decode_request.state, decode_request.return_state, decode_request.end_conversation))
         return parsed
 
-    def _end_turn_here(self, decode_request: DecodeRequest) -> None:
-        """A sealed turn refused here ends here, unless a disaggregated prefill server holds its lock (it ends it
-        there)."""
-        if not decode_request.return_state:
-            self.served.store.end_turn(decode_request.conversation_id)
-
     def hand_over(self, parsed: ParsedDecode, sender, wanted: frozenset[str]) -> None:
         """Checks what can be refused before any work (a delta on a state not held here, a length that does not
         match), then gives the turn to the scheduler (which refuses an adapter this server does not have)."""
         decode_request = parsed.request
-        received = self.stage.receive(decode_request)
+        received = decode_request.received = self.transfers.receive(decode_request.conversation_id,
+                                                                    decode_request.state)
         if received.state.length != decode_request.meta.length:
             raise RequestError(f"transfer says {decode_request.meta.length} tokens, the state holds "
                                f"{received.state.length}")
@@ -145,9 +138,7 @@ class DecodeModel:
         # Named from the set this request polled; whether it is loaded is asked on the scheduler's thread, once the
         # registry has taken that set (a just-added adapter is not loaded yet here).
         entry = self.served.watcher.current.by_hash(decode_request.meta.adapter_hash)
-        decision = RouteDecision(entry.name if entry is not None else "base", decode_request.meta.adapter_hash)
-        if not decode_request.return_state:  # it commits here: the turn lock is taken here, in this process
-            self.served.store.begin_turn(decode_request.conversation_id)
+        decision = RouteDecision(entry.name if entry is not None else BASE_NAME, decode_request.meta.adapter_hash)
         sampling = decode_request.sampling
         budget = min(decode_request.max_tokens, self.served.engine.config.max_context - received.state.length)
         self._count_outstanding(+1)
@@ -164,44 +155,6 @@ class DecodeModel:
             _ids=window(parsed.ids, fresh), _fresh=fresh, _last=last, applied_adapter=adapter,
             replayed_tokens=parsed.replayed, output_tokens=len(parsed.ids), route_scores=parsed.scores,
             conversation_id_out=parsed.request.conversation_id), wanted)
-
-    def serve(self, parsed: ParsedDecode, sender, wanted: frozenset[str]) -> None:
-        decode_request = parsed.request
-        self.stage.receive(decode_request)  # a delta on a state not held here is refused before anything counts
-        self.counters.add("mol2_routes_read", str(decode_request.meta.adapter_hash))
-        adapter = self.stage.adapter_for(self.served.watcher.current, decode_request.meta.adapter_hash) or "base"
-        ids, replayed = [], 0
-
-        def respond(fresh: int, last: bool):
-            """The newest `fresh` ids (after a few earlier ones, for detokenize) and the turn's metadata; only the
-            outputs the request asked for (triton_io.response)."""
-            return response(self.pb, self.outputs.tensors(
-                _ids=window(ids, fresh), _fresh=fresh, _last=last, applied_adapter=adapter, replayed_tokens=replayed,
-                output_tokens=len(ids), route_scores=parsed.scores,
-                conversation_id_out=decode_request.conversation_id), wanted)
-
-        tokens = self.stage.run(self.served.watcher.current, decode_request)
-        for token, replayed in tokens:
-            if sender.is_cancelled():  # the client went away: stop now; the turn is dropped, nothing is stored
-                tokens.close()
-                sender.send(flags=self.final)
-                return
-            if not ids:
-                self.counters.add("mol2_routes_applied", adapter)
-                self.counters.add("mol2_replayed_tokens", adapter, replayed)
-            ids.append(token)
-            if parsed.stream:
-                sender.send(respond(1, False))
-        self.counters.add("mol2_requests", adapter)
-        # Streamed: the last response adds no ids, it flushes a character left unfinished (and carries FINAL).
-        last = [respond(0 if parsed.stream else len(ids), True)]
-        if decode_request.return_state:
-            state, conversation_id = decode_request.final_state, decode_request.conversation_id
-            seal = self.sealer.seal(RETURNED, **returned_fields(conversation_id, state))
-            last.append(response(self.pb, self.outputs.tensors(_state_out=state, _state_seal=seal), wanted))
-        for earlier in last[:-1]:
-            sender.send(earlier)
-        sender.send(last[-1], flags=self.final)
 
 
 class HandedSink:
@@ -232,7 +185,7 @@ class HandedSink:
             last = [model.respond(parsed, 0 if parsed.stream else len(parsed.ids), True, self.wanted,
                                   turn.decision.adapter)]
             if request.return_state:
-                state = model.stage.transfers.reply(request.conversation_id, request.received, turn.final_state,
+                state = model.transfers.reply(request.conversation_id, request.received, turn.final_state,
                                                     request.end_conversation)
                 seal = model.sealer.seal(RETURNED, **returned_fields(request.conversation_id, state))
                 last.append(response(model.pb, model.outputs.tensors(_state_out=state, _state_seal=seal),

@@ -13,7 +13,6 @@ import numpy as np
 
 from ..core.delta_transfer import BASE_REFUSED, DELTA, Count, Outgoing, RelayTransfers, no_count
 from ..core.seal import DECODE, RETURNED, Sealer, decode_fields, returned_fields
-from ..core.stages import commit_turn
 from ..core.store import ConversationStore, check_id
 from ..core.transfer import TransferError
 from .bls import Call, prefill_request, route_request, text_array
@@ -157,7 +156,7 @@ class Relay:
         try:
             self.sealer.check(RETURNED, seal, **returned_fields(conversation_id, returned))
             state, version = self.transfers.incoming(sent, returned)
-            commit_turn(self.store, conversation_id, state, end)
+            self.store.commit(conversation_id, state, end)
         except BaseException:
             self.transfers.forget(conversation_id)
             raise

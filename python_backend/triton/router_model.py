@@ -1,5 +1,5 @@
 """The `router` Triton model: MoL2 routing on pooled H19, an explicit adapter always winning, per request
-(python_backend/core/stages.py). The decision (the adapter path's 31-bit FNV-1a hash) is written into the transfer
+(python_backend/core/routing.py). The decision (the adapter path's 31-bit FNV-1a hash) is written into the transfer
 metadata that travels with this request's state. A route-only request (the `route` model) is counted apart, as a
 decision not written. The router reads and writes no conversation (the caller that prefilled holds the turn lock
 and ends it), so a direct call can change nothing. `pb` is passed in, so it is tested without a server."""
@@ -13,10 +13,10 @@ import torch
 from ced.tokenization import ChatTokenizer
 
 from ..core.adapter_set import AdapterSetWatcher
-from ..core.routing import load_scorer
 from ..core.serving import start_model_process
 from ..core.settings import ServingSettings, triton_parameters
-from ..core.stages import RouterStage, TransferMeta
+from ..core.routing import RouterStage, load_scorer
+from ..core.transfer import TransferMeta
 from .metrics import Counters
 from .triton_io import Outputs, RequestError, as_scalar, as_text, optional, required, respond_each
 

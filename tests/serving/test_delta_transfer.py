@@ -18,6 +18,7 @@ from safetensors.torch import load
 from ced import CEDConfig
 
 from ced.batched import BatchedEngine
+from ced.row_engine import RowEngine
 from python_backend.core.adapter_set import parse_adapter_set, sync_registry
 from python_backend.core.delta_transfer import (BASE_REFUSED, DELTA, FULL, TO_DECODE, TO_PREFILL, BaseRefused,
                                            DecodeTransfers, base_of, cache_bytes, decode_delta, encode_delta,
@@ -25,7 +26,8 @@ from python_backend.core.delta_transfer import (BASE_REFUSED, DELTA, FULL, TO_DE
 from python_backend.core.fnv import BASE
 from python_backend.triton.front import Relay
 from python_backend.core.seal import DECODE, PREFILL, RETURNED, Sealer, decode_fields, prefill_fields, returned_fields
-from python_backend.core.stages import DecodeRequest, DecodeStage, TransferMeta
+from python_backend.core.routing import RouteDecision
+from python_backend.core.scheduler import Scheduler, Turn
 from python_backend.core.store import ConversationStore
 from python_backend.core.transfer import TransferError, _read_metadata, decode_state, encode_state
 from python_backend.triton.triton_io import RequestError
@@ -62,9 +64,28 @@ class Result:
         return self.outputs.get(name)
 
 
+class Collect:
+    """A handed turn's end, for the in-process decode server."""
+
+    error = None
+
+    def token(self, token, turn):
+        pass
+
+    def finished(self, turn):
+        pass
+
+    def failed(self, error, turn):
+        self.error = error
+
+    def cancelled(self):
+        return False
+
+
 class Pair:
     """A prefill server's relay and a decode server, in process: prefill and decode run the real engine and
-    stages, every internal request sealed and checked as the models do; counts are kept per (side, name, labels)."""
+    the scheduler (its decode turns handed, as the decode model hands them), every internal request sealed and
+    checked as the models do; counts are kept per (side, name, labels)."""
 
     def __init__(self, engine, adapter_set, root, cache_bytes: int = 256 << 20, batched: bool = True):
         self.engine, self.adapter_set = engine, adapter_set
@@ -72,13 +93,17 @@ class Pair:
         self.prefill_store = ConversationStore(root, engine.config)  # the prefill model's: another process's view
         self.counts: Counter = Counter()
         self.transfers = DecodeTransfers(engine.config, cache_bytes, self.counter("decode"))
-        self.stage = DecodeStage(engine, None, type("T", (), {"stop_ids": ()})(), {},
-                                 BatchedEngine(engine) if batched else None, self.transfers)
+        self.scheduler = Scheduler(BatchedEngine(engine) if batched else RowEngine(engine),
+                                   ConversationStore(root / "decode", engine.config), type("T", (), {"stop_ids": ()})(),
+                                   self.adapter_of, lambda: [], prefix_cache_bytes=0)
         self.relay = Relay(self.call, self.store, "router", "decode:1", "decode", SEALER, self.decode,
                            self.counter("relay"))
         self.sent: list[tuple[str, int, bytes]] = []  # (kind, bytes to decode, the full state prefill made)
         self.received: list[tuple] = []  # the state decode received (exact), per attempt it accepted
         self.next_id = 0
+
+    def adapter_of(self, decision: RouteDecision) -> str | None:
+        return None if decision.adapter_hash == BASE else self.adapter_set.by_hash(decision.adapter_hash).name
 
     def counter(self, side: str):
         def count(name, value=1.0, **labels):
@@ -120,20 +145,25 @@ class Pair:
         SEALER.check(DECODE, _text(inputs["_seal"]), **decode_fields(conversation_id, length, adapter_hash, state,
                                                                       True, end))
         self.sent.append((DELTA if state != self.full else FULL, len(state), self.full))
-        request = DecodeRequest(conversation_id, state, TransferMeta(length, adapter_hash),
-                                int(inputs["max_tokens"][0]), end_conversation=end, return_state=True)
         try:
-            received = self.stage.receive(request)
+            received = self.transfers.receive(conversation_id, state)
         except (TransferError, ValueError) as error:
             raise RequestError(f"decode server {url}: {error}") from None
         self.received.append(exact(received.state))
-        ids = [token for token, _ in self.stage.run(self.adapter_set, request)]
+        sink, decision = Collect(), RouteDecision("", adapter_hash)
+        turn = Turn(conversation_id, [], lambda pooled: decision, sink, int(inputs["max_tokens"][0]),
+                    end_conversation=end, explicit=True, handed=received.state, returns_state=True)
+        self.scheduler.submit(turn)
+        self.scheduler.drain()
+        assert sink.error is None, sink.error
+        final_state = self.transfers.reply(conversation_id, received, turn.final_state, end)
+        ids = turn.generated
         yield Result(_ids=np.array(ids), _fresh=np.array([len(ids)], np.int32), _last=np.array([True]),
                      applied_adapter=text("x"), replayed_tokens=np.array([0], np.int32),
                      output_tokens=np.array([len(ids)], np.int32), route_scores=text("{}"),
                      conversation_id_out=text(conversation_id))
-        yield Result(_state_out=np.frombuffer(request.final_state, np.uint8), _state_seal=text(SEALER.seal(
-            RETURNED, **returned_fields(conversation_id, request.final_state))))
+        yield Result(_state_out=np.frombuffer(final_state, np.uint8), _state_seal=text(SEALER.seal(
+            RETURNED, **returned_fields(conversation_id, final_state))))
 
     def turn(self, words: str, adapter: str | None, conversation_id: str | None = None, end: bool = False,
              max_tokens: int = 6) -> tuple[str, list[int]]:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from python_backend.core.engine_core import STORAGE_FULL, error_event
-from python_backend.core.journal import delta_of
+from ced.state import delta_of
 from python_backend.server.openai_api.app import _guarded
 from python_backend.server.openai_api.streaming import sse as _sse
 from python_backend.server.openai_api.engine_client import engine_error

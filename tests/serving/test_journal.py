@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ced import CEDConfig
-from python_backend.core.journal import (JournalError, apply_delta, decode_record, delta_of, empty_state, encode_record,
-                                    read_journal)
+from ced.state import apply_delta, delta_of, empty_state
+from python_backend.core.journal import JournalError, decode_record, encode_record, read_journal
 from python_backend.core.store import ConversationReset, ConversationStore, StoreError
 from python_backend.core.transfer import TransferError, decode_state, encode_state
 

@@ -227,7 +227,7 @@ def sealed_prefill(ids, conversation_id=None, route_only=False) -> Request:
 
 def test_prefill(pb, config):
     model = PrefillModel(pb, config("prefill"))
-    fail_when(model.stage, "run", lambda conversation_id, ids, route_only: ids == [66])
+    fail_when(model.scheduler.engine, "check", lambda row, chunk: 66 in chunk)  # a bug of ours on that turn alone
     unsealed = Request(_text_ids=np.array([104, 105]))
     good, refused, bug = model.execute([sealed_prefill([104, 105]), unsealed, sealed_prefill([66])])
     assert_outputs(good, config("prefill"))

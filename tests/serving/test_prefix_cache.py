@@ -12,7 +12,7 @@ import pytest
 from ced.batched import BatchedEngine
 from ced.tokenization import ChatTokenizer
 from python_backend.core.scheduler import Scheduler, Turn
-from python_backend.core.stages import RouteDecision
+from python_backend.core.routing import RouteDecision
 from python_backend.core.store import ConversationStore
 
 from test_scheduler import Sink, make_engine  # the scheduler tests' sink and engine
@@ -113,7 +113,6 @@ def test_a_stateful_conversation_and_a_stateless_request_find_each_others_states
     text = HISTORY + "Who naps?"
     _, warm = stateless(scheduler, chat(text), "chat")
     sink, decision = Sink(), RouteDecision("coding", 0)
-    scheduler.store.begin_turn("c1")
     stateful = Turn("c1", scheduler.tokenizer.encode(text), lambda pooled: decision, sink, max_tokens=4,
                     explicit=True, new=True)
     scheduler.submit(stateful)

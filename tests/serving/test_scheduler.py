@@ -1,4 +1,4 @@
-"""The scheduler without a server: interleaved turns give each conversation the serial engine's tokens and write
+"""The scheduler without a server (the only loop a turn runs in, whatever engine runs the model): interleaved turns give each conversation the serial engine's tokens and write
 the journal; a cancelled row stops at the next step and stores nothing while the others go on; a long prompt is
 prefilled in chunks while decoding rows keep getting a token every iteration."""
 
@@ -8,9 +8,10 @@ import pytest
 
 from ced import CEDEngine, CEDForCausalLM
 from ced.batched import BatchedEngine
+from ced.row_engine import RowEngine
 from ced.tokenization import ChatTokenizer
 from python_backend.core.scheduler import CancelledTurn, Scheduler, Turn
-from python_backend.core.stages import RouteDecision
+from python_backend.core.routing import RouteDecision
 from python_backend.core.store import ConversationStore
 
 
@@ -38,12 +39,14 @@ def make_engine(served_dir) -> CEDEngine:
     return engine
 
 
-@pytest.fixture()
-def parts(served_dir, tmp_path):
+@pytest.fixture(params=[BatchedEngine, RowEngine])
+def parts(served_dir, tmp_path, request):
+    """The scheduler over the paged pool (torch), and over an engine that runs one conversation per call (the
+    exported graphs' path: ced/row_engine.py; here over the serial torch engine)."""
     engine = make_engine(served_dir)
     store = ConversationStore(tmp_path, engine.config)
     tokenizer = ChatTokenizer(served_dir / "model")
-    scheduler = Scheduler(BatchedEngine(engine), store, tokenizer, lambda decision: decision.adapter, lambda: [],
+    scheduler = Scheduler(request.param(engine), store, tokenizer, lambda decision: decision.adapter, lambda: [],
                           prefill_chunk=64, token_budget=80)
     return scheduler, store, tokenizer
 
@@ -72,7 +75,6 @@ def test_interleaved_turns_are_each_conversations_serial_run(parts, served_dir):
         sinks = {}
         for cid, script in scripts.items():
             sinks[cid] = Sink()
-            store.begin_turn(cid)
             scheduler.submit(turn(cid, script[t][0], script[t][1], sinks[cid], tokenizer, new=t == 0))
         scheduler.drain()
         for cid, sink in sinks.items():
@@ -88,19 +90,16 @@ def test_interleaved_turns_are_each_conversations_serial_run(parts, served_dir):
 def test_a_cancelled_row_stops_and_stores_nothing(parts):
     scheduler, store, tokenizer = parts
     for cid in ("keep", "cancel"):
-        store.begin_turn(cid)
         scheduler.submit(turn(cid, "first", "chat", Sink(), tokenizer))
     scheduler.drain()
     size = store.journal_size("cancel")
     keep, cancel = Sink(), Sink(cancel_after=2)
     for cid, sink in (("keep", keep), ("cancel", cancel)):
-        store.begin_turn(cid)
         scheduler.submit(turn(cid, "second", "coding", sink, tokenizer, new=False, max_tokens=20))
     scheduler.drain()
     assert isinstance(cancel.error, CancelledTurn) and len(cancel.tokens) == 2
     assert store.journal_size("cancel") == size and "cancel" not in scheduler.resident
     assert keep.done and len(keep.tokens) > 2
-    store.begin_turn("cancel")  # the lock was released; the conversation continues from its last stored turn
     again = Sink()
     scheduler.submit(turn("cancel", "third", "chat", again, tokenizer, new=False))
     scheduler.drain()
@@ -110,12 +109,10 @@ def test_a_cancelled_row_stops_and_stores_nothing(parts):
 def test_a_long_prompt_is_chunked_while_rows_decode(parts):
     scheduler, store, tokenizer = parts
     short = Sink()
-    store.begin_turn("short")
     scheduler.submit(turn("short", "hi", "chat", short, tokenizer, max_tokens=40))
     scheduler.iterate()  # prefilled and replayed: decoding from now on
     assert short.tokens
     long = Sink()
-    store.begin_turn("long")
     scheduler.submit(turn("long", "word " * 200, "coding", long, tokenizer, max_tokens=2))  # ~1000 byte tokens
     before = len(short.tokens)
     iterations = 0
@@ -131,14 +128,11 @@ def test_a_long_prompt_is_chunked_while_rows_decode(parts):
 def test_a_turn_that_fails_in_prefill_fails_alone(parts):
     scheduler, store, tokenizer = parts
     good, bad = Sink(), Sink()
-    store.begin_turn("good")
     scheduler.submit(turn("good", "hello there", "chat", good, tokenizer, max_tokens=8))
     scheduler.iterate()  # decoding
-    store.begin_turn("bad")
     broken = turn("bad", "x", "chat", bad, tokenizer)
     broken.text_ids = [10 ** 6]  # no such token: refused by the engine's prefill
     beside = Sink()  # arrives with it: the two would share a prefill call
-    store.begin_turn("beside")
     scheduler.submit(broken)
     scheduler.submit(turn("beside", "hi", "coding", beside, tokenizer, max_tokens=4))
     scheduler.drain()
@@ -160,7 +154,6 @@ def test_sampling_controls_shape_the_batched_turns_as_the_serial_engine(parts, s
     sinks = {}
     for cid, sampling in settings.items():
         sinks[cid] = Sink()
-        store.begin_turn(cid)
         made = turn(cid, "tell me more", "chat", sinks[cid], tokenizer, max_tokens=10)
         made.sampling = sampling
         scheduler.submit(made)

@@ -167,7 +167,7 @@ def test_an_adapter_that_failed_to_load_is_named_with_its_error(engine, adapter_
     import json
 
     from python_backend.core.adapter_set import parse_adapter_set, sync_registry
-    from python_backend.core.stages import DecodeStage
+    from python_backend.core.serving import Served
     from python_backend.triton.triton_io import RequestError
 
     entries = [{"name": "A1", "path": adapter_dirs["A1"], "description": "fine"},
@@ -176,10 +176,10 @@ def test_an_adapter_that_failed_to_load_is_named_with_its_error(engine, adapter_
     adapter_set, fingerprints, failures = parse_adapter_set(tmp_path / "set.json"), {}, {}
     sync_registry(engine.adapters, adapter_set, fingerprints, failures)
     assert list(failures) == ["broken"] and "does not exist" in failures["broken"]
-    stage = DecodeStage(engine, None, None, failures)
-    assert stage.adapter_for(adapter_set, adapter_set.by_name("A1").hash) == "A1"
+    served = Served(None, engine, None, None, None, fingerprints, failures)
+    assert served.adapter_for(adapter_set, adapter_set.by_name("A1").hash) == "A1"
     with pytest.raises(RequestError, match="'broken' is in the adapter set but failed to load: .*does not exist"):
-        stage.adapter_for(adapter_set, adapter_set.by_name("broken").hash)
+        served.adapter_for(adapter_set, adapter_set.by_name("broken").hash)
     (tmp_path / "set.json").write_text(json.dumps({"adapters": entries[:1]}))
     sync_registry(engine.adapters, parse_adapter_set(tmp_path / "set.json"), fingerprints, failures)
     assert failures == {}   # dropped from the set: nothing to report any more

@@ -18,7 +18,7 @@ from ced.batched import BatchedEngine
 from ced.tokenization import ChatTokenizer
 from python_backend.core.journal import read_journal
 from python_backend.core.scheduler import Scheduler, Turn
-from python_backend.core.stages import RouteDecision
+from python_backend.core.routing import RouteDecision
 from python_backend.core.store import ConversationReset, ConversationStore
 
 from test_engine_core import engine_core_pid
@@ -42,7 +42,6 @@ class EngineProcess:
 
     def turn(self, cid: str, text: str, new: bool = False) -> Sink:
         sink, decision = Sink(), RouteDecision("chat", 0)
-        self.store.begin_turn(cid)
         self.scheduler.submit(Turn(cid, self.tokenizer.encode(text), lambda pooled: decision, sink, max_tokens=4,
                                    ignore_eos=True, explicit=True, new=new))
         self.scheduler.drain()

@@ -15,11 +15,12 @@ import pytest
 
 from ced import CEDEngine, CEDForCausalLM
 from ced.batched import BatchedEngine
+from ced.row_engine import RowEngine
 from ced.tokenization import ChatTokenizer
 from python_backend.core.limits import LimitError, Limits, parse_size
 from python_backend.core.scheduler import Scheduler, Turn
 from python_backend.core.settings import ServingSettings
-from python_backend.core.stages import PrefillStage, RouteDecision
+from python_backend.core.routing import RouteDecision
 from python_backend.core.store import ConversationBusy, ConversationStore, StoreInUse, hold_store
 
 # Another process: holds the store (as `mol2 serve` does) and a turn of c1, then waits to be killed.
@@ -116,17 +117,17 @@ class Sink:
         return False
 
 
-def test_a_prompt_over_max_prompt_tokens_is_refused_by_both_engines_paths(served_dir, tmp_path):
+@pytest.mark.parametrize("rows", [BatchedEngine, RowEngine])
+def test_a_prompt_over_max_prompt_tokens_is_refused_by_both_engines_paths(served_dir, tmp_path, rows):
     engine = CEDEngine(CEDForCausalLM.from_pretrained(served_dir / "model"))
     tokenizer = ChatTokenizer(served_dir / "model")
     store = ConversationStore(tmp_path, engine.config, limits=Limits(max_prompt_tokens=16))
-    scheduler = Scheduler(BatchedEngine(engine), store, tokenizer, lambda decision: None, lambda: [])
+    scheduler = Scheduler(rows(engine), store, tokenizer, lambda decision: None, lambda: [])
     long, short = tokenizer.encode("far too long for this server " * 4), tokenizer.encode("hi")
     decision = RouteDecision("base", 0)
     sinks = []
     for cid, text in (("long", long), ("short", short)):
         sinks.append(Sink())
-        store.begin_turn(cid)
         scheduler.submit(Turn(cid, text, lambda pooled: decision, sinks[-1], max_tokens=2, explicit=True, new=True))
     scheduler.drain()
     prompt = len(tokenizer.user_turn(long, first=True))
@@ -135,8 +136,10 @@ def test_a_prompt_over_max_prompt_tokens_is_refused_by_both_engines_paths(served
                                           "per request (max_prompt_tokens)")
     assert sinks[1].done and sinks[1].error is None  # the short one is served
     assert not (tmp_path / "long.lock").exists() and not store.exists("long")  # refused: nothing held or kept
-    with pytest.raises(LimitError, match="over this server's limit of 16 tokens per request"):
-        PrefillStage(engine, store, tokenizer).run(None, long)  # the split server's prefill (and its relay)
+    prefill = Sink()  # the split server's prefill: a turn that leaves once prefilled, refused the same way
+    scheduler.submit(Turn("p", long, None, prefill, new=True, leaves_prefilled=True, returns_state=True))
+    scheduler.drain()
+    assert isinstance(prefill.error, LimitError) and "over this server's limit of 16 tokens" in str(prefill.error)
 
 
 def test_the_relay_holds_the_turn_lock_in_its_own_process(engine, tmp_path):

@@ -14,3 +14,6 @@ class TritonPythonModel:
 
     def execute(self, requests):
         return self.model.execute(requests)
+
+    def finalize(self):
+        self.model.finalize()

@@ -1,0 +1,116 @@
+"""The serving engine's verbs (BatchedEngine's) over an engine that runs one conversation per call: the exported
+graphs (ONNX Runtime, TensorRT), which have CEDEngine's interface. The scheduler drives either one, so a turn runs in
+one loop whatever runs the model: admission, the prefix cache, streaming, cancellation, the journal.
+
+A batch's rows run one after another, each its own call: no batching speed-up on the model's side, but every
+active turn moves on each step, where one turn at a time used to hold every other turn back until it ended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import count
+
+import torch
+from torch import Tensor
+
+from .engine import CEDEngine, check_tokens
+from .state import ConversationState, StateDelta, copy_state, delta_of
+
+
+@dataclass(eq=False)
+class StateRow:
+    """One resident conversation: its state objects and a number that orders a batch (the pool's slot)."""
+
+    state: ConversationState
+    slot: int
+
+    @property
+    def length(self) -> int:
+        return self.state.length
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.state.shared.tokens
+
+    @property
+    def bound_adapter(self) -> str | None:
+        return self.state.bound.adapter
+
+    @property
+    def bound_length(self) -> int:
+        """The length the adapter-bound windows are current for; -1 when there are none (as PagePool's rows)."""
+        bound = self.state.bound
+        return bound.length if any(len(window) for window in bound.windows.values()) else -1
+
+
+class RowEngine:
+    def __init__(self, engine: CEDEngine):
+        self.engine, self.model, self.config, self.adapters = engine, engine.model, engine.config, engine.adapters
+        self._slots = count()
+
+    # -- conversations --------------------------------------------------------------------------------------------
+
+    def open(self, state: ConversationState | None = None) -> StateRow:
+        state = self.engine.new_conversation() if state is None else copy_state(state)
+        return StateRow(state, next(self._slots))
+
+    def close(self, row: StateRow) -> None:
+        pass  # nothing pooled: the row's tensors go with the last reference to it
+
+    def fork(self, row: StateRow, keep_bound: bool = False) -> StateRow:
+        copy = self.open(row.state)
+        if not keep_bound:
+            copy.state.bound = self.engine.new_conversation().bound
+        return copy
+
+    # -- the verbs ------------------------------------------------------------------------------------------------
+
+    def check(self, row: StateRow, tokens: list[int]) -> None:
+        check_tokens(self.config, row.length, tokens)
+
+    def prefill_rows(self, rows: list[StateRow], chunks: list[list[int]]) -> list[Tensor]:
+        for row, chunk in zip(rows, chunks):  # every chunk checked before any row is touched
+            self.check(row, chunk)
+        return [self.engine.prefill(row.state, chunk) for row, chunk in zip(rows, chunks)]
+
+    def replay(self, rows: list[StateRow], adapters: list[str | None]) -> tuple[Tensor, list[int]]:
+        for adapter in adapters:
+            self.adapters.slot_of(adapter)  # an unknown adapter fails before any row is touched
+        done = [self.engine.replay(row.state, adapter) for row, adapter in zip(rows, adapters)]
+        return torch.stack([logits for logits, _ in done]), [replayed for _, replayed in done]
+
+    def step(self, rows: list[StateRow], tokens: list[int], adapters: list[str | None]) -> Tensor:
+        return torch.stack([self.engine.step(row.state, token, adapter)
+                            for row, token, adapter in zip(rows, tokens, adapters)])
+
+    # -- state in and out -----------------------------------------------------------------------------------------
+
+    def nbytes(self, row: StateRow) -> int:
+        return sum(row.state.nbytes().values())
+
+    def unshared_nbytes(self, rows: list[StateRow]) -> int:
+        """Bytes these rows hold together, a tensor they share counted once (a fork shares its source's)."""
+        seen: dict[int, int] = {}
+        for row in rows:
+            for tensor in _tensors(row.state):
+                seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return sum(seen.values()) + sum(8 * row.length for row in rows)
+
+    def delta(self, row: StateRow, since: int) -> StateDelta:
+        return delta_of(row.state, since)
+
+    def export(self, row: StateRow) -> ConversationState:
+        return copy_state(row.state)
+
+
+def _tensors(state: ConversationState):
+    shared = state.shared
+    for window in [*shared.windows.values(), *state.bound.windows.values()]:
+        yield from (t for t in (window.k, window.v) if t is not None)
+    for store in shared.globals.values():
+        yield from (t for t in (store.k, store.v, store.index_keys, store.pending) if t is not None)
+    if shared.stream is not None:
+        yield shared.stream
+    if shared.selection is not None:
+        yield from (shared.selection.idx, shared.selection.valid)
