@@ -18,7 +18,7 @@ from torch import Tensor
 from .engine import CEDEngine, SamplingParams, StateError, check_tokens, sample
 from .model import SharedOutput
 from .paged import PagedCache, PagePool, Resident, selection_or_none
-from .state import AdapterState, ConversationState, GlobalKV, LocalWindow, Selection, SharedState, StateDelta
+from .state import ConversationState, LocalWindow, Selection, StateDelta, apply_delta
 
 
 # Chunk work (prefill, replay) of at least this many positions runs on `chunk_threads`. Below it a second thread
@@ -176,35 +176,33 @@ class BatchedEngine:
 
     def delta(self, row: Resident, since: int) -> StateDelta:
         """What the conversation gained since it held `since` tokens (0: all of it), for the journal: the new
-        tokens and global entries, and the W-bounded shared parts whole. O(new tokens + W)."""
+        tokens and global entries, and the W-bounded shared parts whole (named as ced.state.delta_of names them).
+        O(new tokens + W)."""
         m, n_from, n_to = self.config.block_size, since // self.config.block_size, row.length // self.config.block_size
-        table = self.pool.page_table([row])
-        numbers = torch.arange(n_from, n_to)[None]
-        pages, offsets = self.pool.entry_places(table, numbers)
-        entries = {s: (self.pool.gk[s][pages, offsets], self.pool.gv[s][pages, offsets],
-                       self.pool.gi[s][pages, offsets]) for s in self.config.source_layers} if n_to > n_from else {}
+        appended, replaced = {}, {}
+        if n_to > n_from:
+            pages, offsets = self.pool.entry_places(self.pool.page_table([row]), torch.arange(n_from, n_to)[None])
+            for s in self.config.source_layers:
+                for name, buffer in (("k", self.pool.gk[s]), ("v", self.pool.gv[s]), ("index_keys", self.pool.gi[s])):
+                    appended[f"entries.{s}.{name}"] = buffer[pages, offsets]
         held = row.length % m
-        pending = {s: self.pool.pending[s][row.slot: row.slot + 1, :held].clone() if held else None
-                   for s in self.config.source_layers}
+        if held:
+            for s in self.config.source_layers:
+                replaced[f"pending.{s}"] = self.pool.pending[s][row.slot: row.slot + 1, :held].clone()
         count, slots = min(self.config.window, row.length), torch.tensor([row.slot])
         positions = _positions([row.length - count], count)
-        windows = {layer: (self.pool.read_window(self.pool.wk[layer], slots, positions),
-                           self.pool.read_window(self.pool.wv[layer], slots, positions))
-                   for layer in range(self.config.decoder_start + 1)}
-        stream = self.pool.read_ring(self.pool.stream, slots, positions)
-        selection = (self.pool.read_ring(self.pool.sel_idx, slots, positions),
-                     self.pool.read_ring(self.pool.sel_valid, slots, positions))
-        return StateDelta(since, row.tokens[since:], entries, pending, windows, stream, selection, row.bound_adapter)
+        for layer in range(self.config.decoder_start + 1):
+            replaced[f"window.{layer}.k"] = self.pool.read_window(self.pool.wk[layer], slots, positions)
+            replaced[f"window.{layer}.v"] = self.pool.read_window(self.pool.wv[layer], slots, positions)
+        replaced["stream"] = self.pool.read_ring(self.pool.stream, slots, positions)
+        replaced["selection.idx"] = self.pool.read_ring(self.pool.sel_idx, slots, positions)
+        replaced["selection.valid"] = self.pool.read_ring(self.pool.sel_valid, slots, positions)
+        return StateDelta(since, row.tokens[since:], appended, replaced, row.bound_adapter)
 
     def export(self, row: Resident) -> ConversationState:
         """The whole conversation as the serial engine's state (tests, transfer to another server)."""
-        delta = self.delta(row, 0)
-        state = ConversationState(
-            SharedState({layer: LocalWindow(self.config.window, *kv) for layer, kv in delta.windows.items()},
-                        {s: GlobalKV(*delta.entries.get(s, (None, None, None)), delta.pending[s])
-                         for s in self.config.source_layers},
-                        delta.stream, Selection(*delta.selection), list(row.tokens)),
-            AdapterState(row.bound_adapter, self.model.new_windows(self.config.adapter_bound_layers)))
+        state = self.engine.new_conversation()
+        apply_delta(state, self.delta(row, 0))
         if row.bound_length == row.length:
             slots = torch.tensor([row.slot])
             positions = _positions([row.length - min(self.config.window, row.length)],

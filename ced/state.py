@@ -133,18 +133,15 @@ class ConversationState:
 
 @dataclass
 class StateDelta:
-    """What one turn adds to a conversation's state: the records of a journal, replayed in order, rebuild it.
-    The adapter-bound windows are never kept: every turn replays them."""
+    """What one turn adds to a conversation's state, in any model family: its tensors by name. A journal's records,
+    replayed in order, rebuild the state; a transfer sends one. The adapter-bound windows are never kept: every turn
+    replays them. The family's `delta_of` / `apply_delta` name the tensors (here: `entries.{layer}.k`, `.v`,
+    `.index_keys`; `pending.{layer}`, `window.{layer}.k`, `.v`, `stream`, `selection.idx`, `selection.valid`)."""
 
     start_length: int  # tokens before this delta; 0 = a snapshot (the whole state)
     tokens: list[int]  # tokens appended by this turn
-    # source layer -> (k (1,n,H,D), v (1,n,H,D), index_keys (1,n,I)): global entries added, in order (n may be 0);
-    # a layer that holds no entry at all yet may be absent
-    entries: dict[int, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict)
-    pending: dict[int, Tensor | None] = field(default_factory=dict)  # (1,p,C) partial block after the turn, None if p=0
-    windows: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)  # layers 0..E: (k (1,H,n,D), v), replaces
-    stream: Tensor | None = None  # (1,n,C) shared.stream after the turn (replaces)
-    selection: tuple[Tensor, Tensor] | None = None  # (idx (1,n,k) long, valid (1,n,k) bool) after the turn (replaces)
+    appended: dict[str, Tensor] = field(default_factory=dict)  # `entries.*`: rows added (dim 1) to append-only parts
+    replaced: dict[str, Tensor] = field(default_factory=dict)  # the W-bounded parts after the turn, whole
     bound_adapter: str | None = None  # metadata only: the adapter that answered the turn
 
     @property
@@ -152,14 +149,21 @@ class StateDelta:
         return self.start_length + len(self.tokens)
 
     def added_nbytes(self) -> int:
-        """Bytes this delta adds for good: its tokens and global entries."""
-        return 8 * len(self.tokens) + sum(t.nbytes for entry in self.entries.values() for t in entry)
+        """Bytes this delta adds for good: its tokens and append-only rows."""
+        return 8 * len(self.tokens) + sum(t.nbytes for t in self.appended.values())
 
     def replaced_nbytes(self) -> int:
         """Bytes of the W-bounded parts, which the next delta replaces."""
-        parts = [*self.pending.values(), *(t for w in self.windows.values() for t in w), self.stream,
-                 *(self.selection or ())]
-        return sum(t.nbytes for t in parts if t is not None)
+        return sum(t.nbytes for t in self.replaced.values())
+
+
+APPENDED = "entries."  # the prefix of every append-only tensor's name, whatever the family
+
+
+def split_delta(tensors: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """A delta's tensors by name into (appended, replaced): how a codec reads them back."""
+    appended = {name: t for name, t in tensors.items() if name.startswith(APPENDED)}
+    return appended, {name: t for name, t in tensors.items() if not name.startswith(APPENDED)}
 
 
 class DeltaError(ValueError):
@@ -206,15 +210,19 @@ def delta_of(state: ConversationState, since_length: int) -> StateDelta:
     if not 0 <= since_length <= shared.length:
         raise DeltaError(f"cannot take a delta since token {since_length} of a state of {shared.length} tokens")
     first = _first_new_entry(shared.globals, shared.length, since_length)
-    entries = {layer: (dense(g.k[:, first:]), dense(g.v[:, first:]), dense(g.index_keys[:, first:]))
-               for layer, g in shared.globals.items() if g.k is not None}
-    pending = {layer: None if g.pending is None or g.pending.shape[1] == 0 else dense(g.pending)
-               for layer, g in shared.globals.items()}
-    windows = {layer: (dense(w.k), dense(w.v)) for layer, w in shared.windows.items() if w.k is not None}
-    stream = None if shared.stream is None else dense(shared.stream)
-    selection = None if shared.selection is None else (dense(shared.selection.idx), dense(shared.selection.valid))
-    return StateDelta(since_length, list(shared.tokens[since_length:]), entries, pending, windows, stream, selection,
-                      state.bound.adapter)
+    appended = {f"entries.{layer}.{name}": dense(tensor[:, first:]) for layer, g in shared.globals.items()
+                if g.k is not None for name, tensor in (("k", g.k), ("v", g.v), ("index_keys", g.index_keys))}
+    replaced = {f"pending.{layer}": dense(g.pending) for layer, g in shared.globals.items()
+                if g.pending is not None and g.pending.shape[1]}
+    for layer, w in shared.windows.items():
+        if w.k is not None:
+            replaced[f"window.{layer}.k"], replaced[f"window.{layer}.v"] = dense(w.k), dense(w.v)
+    if shared.stream is not None:
+        replaced["stream"] = dense(shared.stream)
+    if shared.selection is not None:
+        replaced["selection.idx"], replaced["selection.valid"] = (dense(shared.selection.idx),
+                                                                  dense(shared.selection.valid))
+    return StateDelta(since_length, list(shared.tokens[since_length:]), appended, replaced, state.bound.adapter)
 
 
 def apply_delta(state: ConversationState, delta: StateDelta) -> None:
@@ -223,18 +231,23 @@ def apply_delta(state: ConversationState, delta: StateDelta) -> None:
     shared = state.shared
     if shared.length != delta.start_length:
         raise DeltaError(f"the delta starts at token {delta.start_length}, the state holds {shared.length}")
-    unknown = sorted(set(delta.entries) - set(shared.globals)) + sorted(set(delta.windows) - set(shared.windows))
+    known = {"stream", "selection.idx", "selection.valid"}
+    known |= {f"entries.{layer}.{name}" for layer in shared.globals for name in ("k", "v", "index_keys")}
+    known |= {f"pending.{layer}" for layer in shared.globals}
+    known |= {f"window.{layer}.{name}" for layer in shared.windows for name in ("k", "v")}
+    unknown = sorted(set(delta.appended) - known) + sorted(set(delta.replaced) - known)
     if unknown:
-        raise DeltaError(f"the delta names layers {unknown} this state does not have")
+        raise DeltaError(f"the delta names parts {unknown} this state does not have")
     shared.tokens.extend(delta.tokens)
     for layer, store in shared.globals.items():
-        if layer in delta.entries:
-            store.add_entries(*delta.entries[layer])
-        store.pending = delta.pending.get(layer)
+        if f"entries.{layer}.k" in delta.appended:
+            store.add_entries(*(delta.appended[f"entries.{layer}.{name}"] for name in ("k", "v", "index_keys")))
+        store.pending = delta.replaced.get(f"pending.{layer}")
     for layer, window in shared.windows.items():
-        window.k, window.v = delta.windows.get(layer, (None, None))
-    shared.stream = delta.stream
-    shared.selection = None if delta.selection is None else Selection(*delta.selection)
+        window.k, window.v = delta.replaced.get(f"window.{layer}.k"), delta.replaced.get(f"window.{layer}.v")
+    shared.stream = delta.replaced.get("stream")
+    selection = delta.replaced.get("selection.idx"), delta.replaced.get("selection.valid")
+    shared.selection = None if selection[0] is None else Selection(*selection)
     state.bound = AdapterState(delta.bound_adapter, {i: LocalWindow(w.size) for i, w in state.bound.windows.items()})
 
 

@@ -38,6 +38,8 @@ def test_a_fork_is_a_conversation_of_its_own(engine):
     rows_engine.prefill_rows([row], [[6, 7, 8]])
     after = delta_of(fork.state, 0)  # ...and the fork is as it was
     assert fork.length == 29 and after.tokens == before.tokens
-    assert all(torch.equal(a, b) for a, b in zip(before.windows[0], after.windows[0]))
+    assert before.replaced.keys() == after.replaced.keys() and before.appended.keys() == after.appended.keys()
+    assert all(torch.equal(before.replaced[name], after.replaced[name]) for name in before.replaced)
+    assert all(torch.equal(before.appended[name], after.appended[name]) for name in before.appended)
     assert fork.bound_adapter == "A1" and fork.bound_length == fork.length  # its windows kept: no replay needed
     assert rows_engine.fork(row).bound_length == -1  # without keep_bound, the next turn replays

@@ -24,10 +24,9 @@ from typing import BinaryIO
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save
-from torch import Tensor
 
 from ced.config import CEDConfig
-from ced.state import DeltaError, StateDelta, dense
+from ced.state import DeltaError, StateDelta, dense, split_delta
 
 from .transfer import config_fingerprint
 
@@ -50,20 +49,7 @@ class TornRecord(JournalError):
 
 def encode_record(delta: StateDelta, config: CEDConfig) -> bytes:
     tensors = {"tokens": torch.tensor(delta.tokens, dtype=torch.int64)}
-
-    def put(name: str, tensor: Tensor | None) -> None:
-        if tensor is not None:
-            tensors[name] = dense(tensor)
-
-    for layer, (k, v, index_keys) in delta.entries.items():
-        put(f"entries.{layer}.k", k), put(f"entries.{layer}.v", v), put(f"entries.{layer}.index_keys", index_keys)
-    for layer, pending in delta.pending.items():
-        put(f"pending.{layer}", pending)
-    for layer, (k, v) in delta.windows.items():
-        put(f"window.{layer}.k", k), put(f"window.{layer}.v", v)
-    put("stream", delta.stream)
-    if delta.selection is not None:
-        put("selection.idx", delta.selection[0]), put("selection.valid", delta.selection[1])
+    tensors.update({name: dense(tensor) for name, tensor in (*delta.appended.items(), *delta.replaced.items())})
     metadata = {"format": FORMAT, "config": config_fingerprint(config), "start_length": str(delta.start_length),
                 "bound_adapter": json.dumps(delta.bound_adapter)}
     payload = save(tensors, metadata=metadata)
@@ -109,23 +95,15 @@ def _decode_payload(payload: bytes, config: CEDConfig) -> StateDelta:
     if metadata.get("config") != config_fingerprint(config):
         raise JournalError(f"record was written for another model config "
                            f"({metadata.get('config')} != {config_fingerprint(config)})")
-    delta = StateDelta(start_length, tokens, bound_adapter=bound_adapter)
+    tensors.pop("tokens")
+    delta = StateDelta(start_length, tokens, *split_delta(tensors), bound_adapter=bound_adapter)
     m = config.block_size
     added = delta.end_length // m - start_length // m  # the blocks its tokens completed (a snapshot: all of them)
     for layer in config.source_layers:
-        if f"entries.{layer}.k" in tensors:
-            delta.entries[layer] = tuple(tensors[f"entries.{layer}.{n}"] for n in ("k", "v", "index_keys"))
-        held = delta.entries[layer][0].shape[1] if layer in delta.entries else 0
+        held = delta.appended[f"entries.{layer}.k"].shape[1] if f"entries.{layer}.k" in delta.appended else 0
         if held != added:  # anything else would put every later entry at the wrong block
             raise JournalError(f"record at token {start_length} holds {held} global entries of layer {layer}, "
                                f"its {len(tokens)} tokens complete {added}")
-        delta.pending[layer] = tensors.get(f"pending.{layer}")
-    for layer in range(config.decoder_start + 1):
-        if f"window.{layer}.k" in tensors:
-            delta.windows[layer] = (tensors[f"window.{layer}.k"], tensors[f"window.{layer}.v"])
-    delta.stream = tensors.get("stream")
-    if "selection.idx" in tensors:
-        delta.selection = (tensors["selection.idx"], tensors["selection.valid"])
     return delta
 
 
