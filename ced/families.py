@@ -32,6 +32,8 @@ class Family:
     model_class: str  # "module:Class" of the model
     read_config: str  # "module:function" config.json dict -> config
     build: str  # "module:function" (config, seed) -> model with random weights
+    states: str  # the module of its conversation state's verbs: empty_state, copy_state, delta_of, apply_delta,
+    #              new_entries (what the store, the journal and the row engine call, whatever the family)
 
     def config_cls(self) -> type:
         return _load(self.config_class)
@@ -44,6 +46,9 @@ class Family:
 
     def new_model(self, config, seed: int | None = None):
         return _load(self.build)(config, seed)
+
+    def state_verbs(self):
+        return import_module(self.states)
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -68,6 +73,15 @@ def family(name: str) -> Family:
 
 def family_names() -> list[str]:
     return list(_FAMILIES)
+
+
+def family_of_config(config) -> Family:
+    """The family whose config class `config` is an instance of."""
+    name = f"{type(config).__module__}:{type(config).__qualname__}"
+    for entry in _FAMILIES.values():
+        if entry.config_class == name:
+            return entry
+    raise UnknownFamily(f"{name} is the config class of no registered family (ced/families.py)")
 
 
 def family_of(source: str | Path | dict) -> Family:
@@ -117,7 +131,7 @@ def _v41_build(config, seed: int | None = None):
 
 
 register(Family("ced", "ced", "ced.config:CEDConfig", "ced.model:CEDForCausalLM",
-                "ced.families:_ced_config", "ced.families:_ced_build"))
+                "ced.families:_ced_config", "ced.families:_ced_build", "ced.state"))
 register(Family("deepseek_v41", "deepseek_v41", "ced.deepseek_v41.config:V41Config",
                 "ced.deepseek_v41.model:DeepseekV41ForCausalLM", "ced.families:_v41_config",
-                "ced.families:_v41_build"))
+                "ced.families:_v41_build", "ced.deepseek_v41.state"))

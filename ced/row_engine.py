@@ -8,14 +8,17 @@ active turn moves on each step, where one turn at a time used to hold every othe
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from itertools import count
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
 
 from .engine import CEDEngine, check_tokens
-from .state import ConversationState, StateDelta, copy_state, delta_of
+from .families import family_of_config
+from .state import ConversationState, StateDelta
 
 
 @dataclass(eq=False)
@@ -45,14 +48,17 @@ class StateRow:
 
 
 class RowEngine:
+    """Over any engine with CEDEngine's interface, of any model family (its state verbs: ced.families)."""
+
     def __init__(self, engine: CEDEngine):
         self.engine, self.model, self.config, self.adapters = engine, engine.model, engine.config, engine.adapters
+        self.states = family_of_config(engine.config).state_verbs()
         self._slots = count()
 
     # -- conversations --------------------------------------------------------------------------------------------
 
     def open(self, state: ConversationState | None = None) -> StateRow:
-        state = self.engine.new_conversation() if state is None else copy_state(state)
+        state = self.engine.new_conversation() if state is None else self.states.copy_state(state)
         return StateRow(state, next(self._slots))
 
     def close(self, row: StateRow) -> None:
@@ -93,24 +99,25 @@ class RowEngine:
         """Bytes these rows hold together, a tensor they share counted once (a fork shares its source's)."""
         seen: dict[int, int] = {}
         for row in rows:
-            for tensor in _tensors(row.state):
+            for tensor in _tensors(row.state.shared, row.state.bound):
                 seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         return sum(seen.values()) + sum(8 * row.length for row in rows)
 
     def delta(self, row: StateRow, since: int) -> StateDelta:
-        return delta_of(row.state, since)
+        return self.states.delta_of(row.state, since)
 
     def export(self, row: StateRow) -> ConversationState:
-        return copy_state(row.state)
+        return self.states.copy_state(row.state)
 
 
-def _tensors(state: ConversationState):
-    shared = state.shared
-    for window in [*shared.windows.values(), *state.bound.windows.values()]:
-        yield from (t for t in (window.k, window.v) if t is not None)
-    for store in shared.globals.values():
-        yield from (t for t in (store.k, store.v, store.index_keys, store.pending) if t is not None)
-    if shared.stream is not None:
-        yield shared.stream
-    if shared.selection is not None:
-        yield from (shared.selection.idx, shared.selection.valid)
+def _tensors(*parts: Any) -> Iterator[Tensor]:
+    """Every tensor a state's parts hold (dataclasses, dicts and lists of them), whatever the family."""
+    for part in parts:
+        if isinstance(part, Tensor):
+            yield part
+        elif dataclasses.is_dataclass(part):
+            yield from _tensors(*(getattr(part, f.name) for f in dataclasses.fields(part)))
+        elif isinstance(part, dict):
+            yield from _tensors(*part.values())
+        elif isinstance(part, (list, tuple)) and part and not isinstance(part[0], int):
+            yield from _tensors(*part)

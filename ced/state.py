@@ -194,6 +194,13 @@ def empty_state(config: CEDConfig) -> ConversationState:
     return ConversationState(shared, AdapterState(None, windows(config.adapter_bound_layers)))
 
 
+def new_entries(config: CEDConfig, start_length: int, end_length: int) -> dict[str, int]:
+    """The global entries a delta from `start_length` to `end_length` adds, per append-only part (`entries.{layer}`):
+    how a codec checks a delta read back before it is applied (one entry per completed block of m tokens)."""
+    m = config.block_size
+    return {f"entries.{layer}": end_length // m - start_length // m for layer in config.source_layers}
+
+
 def _first_new_entry(globals_: dict[int, GlobalKV], length: int, since_length: int) -> int:
     """since_length // m, with m read off the state (a source holds length // m entries and length % m pending
     rows), so that a delta is taken without the config."""

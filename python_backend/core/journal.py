@@ -26,6 +26,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load, save
 
 from ced.config import CEDConfig
+from ced.families import family_of_config
 from ced.state import DeltaError, StateDelta, dense, split_delta
 
 from .transfer import config_fingerprint
@@ -97,13 +98,20 @@ def _decode_payload(payload: bytes, config: CEDConfig) -> StateDelta:
                            f"({metadata.get('config')} != {config_fingerprint(config)})")
     tensors.pop("tokens")
     delta = StateDelta(start_length, tokens, *split_delta(tensors), bound_adapter=bound_adapter)
-    m = config.block_size
-    added = delta.end_length // m - start_length // m  # the blocks its tokens completed (a snapshot: all of them)
-    for layer in config.source_layers:
-        held = delta.appended[f"entries.{layer}.k"].shape[1] if f"entries.{layer}.k" in delta.appended else 0
-        if held != added:  # anything else would put every later entry at the wrong block
-            raise JournalError(f"record at token {start_length} holds {held} global entries of layer {layer}, "
-                               f"its {len(tokens)} tokens complete {added}")
+    expected = family_of_config(config).state_verbs().new_entries(config, start_length, delta.end_length)
+    for name, tensor in delta.appended.items():
+        part = name.rsplit(".", 1)[0]
+        if part not in expected:
+            raise JournalError(f"record at token {start_length} holds {name!r}, a part this model does not have")
+        if tensor.shape[1] != expected[part]:  # anything else would put every later entry at the wrong place
+            raise JournalError(f"record at token {start_length} holds {tensor.shape[1]} global entries of layer "
+                               f"{part.split('.')[1]}, its {len(tokens)} tokens complete {expected[part]}")
+    missing = [part for part, count in expected.items() if count and not any(n.startswith(part + ".")
+                                                                              for n in delta.appended)]
+    if missing:
+        part = missing[0]
+        raise JournalError(f"record at token {start_length} holds 0 global entries of layer {part.split('.')[1]}, "
+                           f"its {len(tokens)} tokens complete {expected[part]}")
     return delta
 
 

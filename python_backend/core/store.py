@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Callable
 
 from ced.config import CEDConfig
-from ced.state import ConversationState, StateDelta, apply_delta, delta_of, empty_state
+from ced.families import family_of_config
+from ced.state import ConversationState, StateDelta
 
 from .journal import DIGEST_SIZE, JournalError, JournalScan, encode_record, journal_length, read_journal, record_digest
 from .limits import Limits
@@ -108,6 +109,7 @@ class ConversationStore:
     def __init__(self, root: str | Path, config: CEDConfig, idle_timeout_s: float = 3600.0,
                  limits: Limits = Limits(), compact_slack: int = 1 << 20):
         self.root, self.config = Path(root), config
+        self.states = family_of_config(config).state_verbs()  # the family's state verbs: load, save, compact
         self.idle_timeout_s, self.limits = idle_timeout_s, limits
         self._held: dict[str, int] = {}  # the turns this store began -> the descriptor holding their flock
         self.compact_slack = compact_slack  # bytes a journal may exceed twice its live state by before compaction
@@ -156,9 +158,9 @@ class ConversationStore:
                 f"the stored state of conversation {conversation_id!r} was damaged ({scan.problem}); the "
                 f"conversation was reset to its last good turn ({scan.deltas[-1].end_length} tokens), the damaged "
                 f"records moved to {moved}: send this turn again to continue from there")
-        state = empty_state(self.config)
+        state = self.states.empty_state(self.config)
         for delta in scan.deltas:
-            apply_delta(state, delta)
+            self.states.apply_delta(state, delta)
         return state
 
     def save(self, conversation_id: str, state: ConversationState) -> None:
@@ -166,11 +168,11 @@ class ConversationStore:
         so does a journal damaged since this process wrote it (`state` is what it wrote, and this turn)."""
         journal, damage = self._writable(conversation_id)
         if damage is not None:
-            self._rewrite(conversation_id, delta_of(state, 0), damage)
+            self._rewrite(conversation_id, self.states.delta_of(state, 0), damage)
         elif journal is None or state.length < journal.length:
-            self._write_snapshot(conversation_id, delta_of(state, 0))
+            self._write_snapshot(conversation_id, self.states.delta_of(state, 0))
         else:
-            self._append(conversation_id, journal, delta_of(state, journal.length), state)
+            self._append(conversation_id, journal, self.states.delta_of(state, journal.length), state)
 
     def commit(self, conversation_id: str, state: ConversationState, end_conversation: bool) -> None:
         """A turn's final state becomes the conversation's one stored copy; the last turn frees it instead."""
@@ -202,7 +204,7 @@ class ConversationStore:
 
     def compact(self, conversation_id: str) -> None:
         """Rewrite the journal as one snapshot of the state it holds."""
-        self._write_snapshot(conversation_id, delta_of(self.load(conversation_id), 0))
+        self._write_snapshot(conversation_id, self.states.delta_of(self.load(conversation_id), 0))
 
     def identity(self, conversation_id: str) -> _Journal | None:
         """What this process last wrote or read of the journal, if the file is still that (one stat). A holder of
@@ -440,13 +442,13 @@ class ConversationStore:
         # added + replaced: the bytes of the live state, what a snapshot of it holds; the rest is dead copies
         if journal.size + len(record) > 2 * (added + replaced) + self.compact_slack:
             if state is not None:
-                self._write_snapshot(conversation_id, delta_of(state, 0))
+                self._write_snapshot(conversation_id, self.states.delta_of(state, 0))
             elif snapshot is not None:
                 self._write_snapshot(conversation_id, snapshot())
             else:  # a delta from elsewhere: the journal's state plus it
                 state = self.load(conversation_id)
-                apply_delta(state, delta)
-                self._write_snapshot(conversation_id, delta_of(state, 0))
+                self.states.apply_delta(state, delta)
+                self._write_snapshot(conversation_id, self.states.delta_of(state, 0))
             return
         # One write on an O_APPEND descriptor: it goes straight to the page cache, where every other process
         # reads it (no user-space buffer to flush; durability against a power cut is not asked for, so no fsync).
