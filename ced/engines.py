@@ -50,7 +50,8 @@ def ensure_onnx_engine(model_dir: str | Path, model: CEDForCausalLM | None = Non
 
 def make_engine(kind: str, model_dir: str | Path, max_adapters: int = 8, max_rank: int = 16,
                 engine_dir: str | Path | None = None, threads: int | None = None) -> CEDEngine:
-    """An engine over the model in `model_dir`.
+    """An engine over the model in `model_dir`, of its family (ced.families): the ced family's CEDEngine, or the
+    deepseek_v41 family's V41Engine (torch only), both with the same interface.
 
     onnxruntime: runs the graphs in `engine_dir` (built by `python -m engine_build onnx`); without `engine_dir`
     they are exported once (a few seconds) into `default_engine_dir` and reused. tensorrt: needs `engine_dir`
@@ -59,6 +60,16 @@ def make_engine(kind: str, model_dir: str | Path, max_adapters: int = 8, max_ran
     """
     if kind not in ENGINE_KINDS:
         raise ValueError(f"unknown engine kind {kind!r}; choose one of {ENGINE_KINDS}")
+    from .families import family_of
+
+    if family_of(model_dir).name == "deepseek_v41":
+        if kind != "torch":
+            raise ValueError(f"the {kind} engine does not run the deepseek_v41 family yet (its export covers the "
+                             "ced family's stages only): serve it with the torch engine")
+        from .deepseek_v41.checkpoint import load_checkpoint
+        from .deepseek_v41.engine import V41Engine
+
+        return V41Engine(load_checkpoint(model_dir)[1], max_adapters, max_rank)
     from .engine import CEDEngine
     from .model import CEDForCausalLM
 

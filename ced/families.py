@@ -75,6 +75,12 @@ def family_names() -> list[str]:
     return list(_FAMILIES)
 
 
+def read_config(model_dir: str | Path):
+    """The config of the model in `model_dir`, of whichever family its config.json declares."""
+    path = Path(model_dir) / "config.json"
+    return family_of(path).config_from_json(json.loads(path.read_text()))
+
+
 def family_of_config(config) -> Family:
     """The family whose config class `config` is an instance of."""
     name = f"{type(config).__module__}:{type(config).__qualname__}"

@@ -56,9 +56,9 @@ class Served:
         return served
 
     def serving_engine(self, chunk_threads: int | None = None, capacity_bytes: int = 0) -> BatchedEngine | RowEngine:
-        """What the scheduler drives: the torch engine's paged pool, batched; an exported engine's graphs, a row at
-        a time (ced/row_engine.py)."""
-        if self.settings.engine == "torch":
+        """What the scheduler drives: the ced family's torch engine over its paged pool, batched; any other engine
+        (exported graphs, the deepseek_v41 family) a row at a time (ced/row_engine.py)."""
+        if self.settings.engine == "torch" and isinstance(self.engine, CEDEngine):
             return BatchedEngine(self.engine, chunk_threads=chunk_threads, capacity_bytes=capacity_bytes)
         return RowEngine(self.engine)
 

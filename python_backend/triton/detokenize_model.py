@@ -4,7 +4,7 @@ python_backend/core/detokenize.py). `pb` is passed in, so it is tested without a
 
 from __future__ import annotations
 
-from ced.model import CEDForCausalLM
+from ced.families import read_config
 from ced.tokenization import ChatTokenizer
 
 from ..core.detokenize import check_ids, text_delta
@@ -17,7 +17,7 @@ class DetokenizeModel:
         self.pb, self.outputs = pb, Outputs(pb, model_config)
         settings = ServingSettings.from_parameters(triton_parameters(model_config))
         self.tokenizer = ChatTokenizer(settings.model_dir)
-        self.vocab_size = CEDForCausalLM.config_class.from_pretrained(settings.model_dir).ced.vocab_size
+        self.vocab_size = read_config(settings.model_dir).vocab_size
 
     def execute(self, requests) -> list:
         return respond_each(self.pb, requests, self.detokenize, "detokenize")

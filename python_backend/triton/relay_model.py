@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from ced.model import CEDForCausalLM
+from ced.families import read_config
 
 from ..core.seal import Sealer
 from ..core.settings import ServingSettings, triton_parameters
@@ -26,7 +26,7 @@ class RelayModel:
         self.final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         parameters = triton_parameters(model_config)
         settings = ServingSettings.from_parameters(parameters)
-        config = CEDForCausalLM.config_class.from_pretrained(settings.model_dir).ced
+        config = read_config(settings.model_dir)
         store = settings.open_store(config)  # this server's idle timeout and limits
         self.counters = Counters(pb, "relay")  # the bytes of state on the wire, each way
         self.relay = Relay(bls_call(pb), store, parameters["router_model"], parameters["decode_url"],
