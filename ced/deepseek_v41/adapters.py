@@ -12,6 +12,7 @@ layer E's `ffn` allowed; any adaptable module of layers E+1..L-1; `mtp.*` (DSpar
 LoRA is applied from outside the model (`attach_lora` wraps those Linears, keeping their parameter names, so the
 model's `state_dict()` does not change); `V41AdapterSet.use(name)` picks the adapter every wrapped module adds
 for the next calls (one adapter per call: this reference path does not mix adapters within a batch).
+`V41AdapterRegistry` gives the set the registry API the server drives (`ced.adapters.AdapterRegistry`'s).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..adapters import AdapterError, PeftAdapter, PlacementError, UnknownAdapterError, read_peft_adapter
+from ..adapters import (AdapterError, AdapterRecord, AdapterRegistry, PeftAdapter, PlacementError,
+                        UnknownAdapterError, read_peft_adapter)
 from .config import V41Config
 from .model import DeepseekV41ForCausalLM, GroupedLinear
 
@@ -130,10 +132,25 @@ class V41AdapterSet:
         if name in self.names:
             raise AdapterError(f"adapter {name!r} is already loaded (from {self.names[name].path})")
         adapter = self.check(path)
+        self.install(name, adapter)
+        return adapter
+
+    def install(self, name: str, adapter: PeftAdapter) -> None:
+        """Put a checked adapter under `name`, in place of whatever `name` held (a replace)."""
+        for module in self.modules.values():
+            module.adapters.pop(name, None)
         for module, (a, b) in adapter.weights.items():
             self.modules[native_name(module)].adapters[name] = (a, b)
         self.names[name] = adapter
-        return adapter
+
+    def unload(self, name: str) -> None:
+        if name not in self.names:
+            raise UnknownAdapterError(f"unknown adapter {name!r} (loaded: {', '.join(sorted(self.names)) or 'none'})")
+        for module in self.modules.values():
+            module.adapters.pop(name, None)
+            if module.active == name:  # no name left dangling: the base model until the next use()
+                module.active = None
+        del self.names[name]
 
     def use(self, name: str | None) -> None:
         """Every wrapped module adds `name`'s delta from now on (None: the base model)."""
@@ -141,3 +158,32 @@ class V41AdapterSet:
             raise UnknownAdapterError(f"unknown adapter {name!r} (loaded: {', '.join(sorted(self.names)) or 'none'})")
         for module in self.modules.values():
             module.active = name
+
+
+class V41AdapterRegistry(AdapterRegistry):
+    """`ced.adapters.AdapterRegistry`'s API (what the server drives: load, replace, unload, check, records, digest,
+    slot_of) over a V41AdapterSet. Each wrapped module holds its adapters by name, so a slot here is a number only:
+    `n_slots` bounds how many are loaded at once and `max_rank` their rank, as the ced engine's buffers do; the
+    messages are AdapterRegistry's own."""
+
+    def __init__(self, adapter_set: V41AdapterSet, n_slots: int, max_rank: int):
+        super().__init__(adapter_set.modules, adapter_set.config, n_slots, max_rank, placement="decoder")
+        self.adapter_set = adapter_set
+
+    def unload(self, name: str) -> None:
+        self.get(name)
+        self.adapter_set.unload(name)
+        del self._records[name]
+
+    def _validated(self, path: str | Path) -> PeftAdapter:
+        adapter = self.adapter_set.check(path)  # format, placement on the native names, module shapes
+        if adapter.rank > self.max_rank:
+            raise AdapterError(f"{adapter.path}: rank {adapter.rank} exceeds the engine's max_rank {self.max_rank}")
+        return adapter
+
+    def _install(self, name: str, adapter: PeftAdapter, slot: int, version: int) -> AdapterRecord:
+        self.adapter_set.install(name, adapter)
+        record = AdapterRecord(name, str(adapter.path), version, slot, adapter.rank,
+                               tuple(sorted(native_name(m) for m in adapter.weights)), adapter.digest)
+        self._records[name] = record
+        return record

@@ -242,6 +242,16 @@ class V41Config:
     def h19_layer(self) -> int:
         return self.decoder_start - 1
 
+    # the `ced` family's names for the same facts, which the server reads off any engine's config
+    @property
+    def max_context(self) -> int:
+        """The longest conversation a state may hold: the context the rope tables are made for."""
+        return self.max_position_embeddings
+
+    @property
+    def window(self) -> int:
+        return self.sliding_window
+
     @property
     def hc_dim(self) -> int:
         """Rows of one mHC projection: pre (hc) + post (hc) + comb (hc x hc)."""

@@ -5,17 +5,25 @@ store of global entries (one latent per group of `ratio` positions, after RoPE, 
 inputs of the group not yet complete. `V41Cache` is what a stage's layers read and write, with the verbs of
 `ced.state.AttentionCache` (extend_window, compress, has_entries, index_keys, gather) adapted to one latent.
 Top-k choices and the candidate pool are `ced.state.Selection`s (entry / block numbers and their validity).
+
+The state the server stores is a `V41ConversationState` (shared + bound, as `ced.state.ConversationState`), with
+the family's state operations beside it under the `ced` family's names (`ced.families` finds them here):
+`empty_state`, `copy_state`, `delta_of`, `apply_delta` (a `ced.state.StateDelta` whose tensors are named
+`entries.{layer}.latent`, `window.{layer}`...) and `new_entries` (what a codec checks a delta read back against).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from torch import Tensor
 
-from ..state import Selection, _cat_keep_last, _nbytes
+from ..state import DeltaError, Selection, StateDelta, _cat_keep_last, _nbytes, dense
+
+if TYPE_CHECKING:
+    from .config import V41Config
 
 # (groups (B, N', r, C), first entry (B,)) -> latents (B, N', D) and indexer keys (B, N', I), both after RoPE
 PoolGroups = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
@@ -150,6 +158,154 @@ class V41AdapterState:
     adapter: str | None
     windows: dict[int, LatentWindow]
     length: int = 0
+    digest: str | None = None  # of the adapter weights that built them (the registry's digest); None: unknown
 
     def nbytes(self) -> int:
         return sum(w.nbytes() for w in self.windows.values())
+
+
+@dataclass
+class V41ConversationState:
+    """One conversation: what every adapter shares and what the adapter that last ran the decoder owns."""
+
+    shared: V41SharedState
+    bound: V41AdapterState
+
+    @property
+    def length(self) -> int:
+        return self.shared.length
+
+    def nbytes(self) -> dict[str, int]:
+        return {"shared": self.shared.nbytes(), "adapter_bound": self.bound.nbytes()}
+
+    def tensors(self) -> Iterator[Tensor]:
+        """Every tensor the state holds (what a byte count that counts shared storage once walks)."""
+        shared = self.shared
+        yield from (w.kv for w in [*shared.windows.values(), *self.bound.windows.values()] if w.kv is not None)
+        for store in shared.stores.values():
+            yield from (t for t in (store.latent, store.index_keys, store.pending) if t is not None)
+        yield from (t for t in (shared.stream, shared.pre) if t is not None)
+        for choice in (shared.selection, shared.pool):
+            yield from (() if choice is None else (choice.idx, choice.valid))
+
+
+def empty_state(config: V41Config) -> V41ConversationState:
+    """A conversation with no tokens, as V41Engine.new_conversation builds it, from the config alone."""
+    windows = lambda layers: {i: LatentWindow(config.sliding_window) for i in layers}  # noqa: E731
+    stores = {i: LatentStore(config.compress_ratios[i]) for i in config.kv_source_layer_ids}
+    shared = V41SharedState(windows(range(config.decoder_start + 1)), stores)
+    return V41ConversationState(shared, V41AdapterState(None, windows(config.adapter_bound_layers)))
+
+
+def copy_state(state: V41ConversationState) -> V41ConversationState:
+    """A second conversation with `state`'s contents. Only the containers are new: the tensors are shared, since
+    nothing writes into them (windows, stores and choices grow by concatenation into new tensors)."""
+    shared, bound = state.shared, state.bound
+    windows = lambda held: {i: LatentWindow(w.size, w.kv) for i, w in held.items()}  # noqa: E731
+    stores = {i: LatentStore(s.ratio, s.latent, s.index_keys, s.pending) for i, s in shared.stores.items()}
+    return V41ConversationState(
+        V41SharedState(windows(shared.windows), stores, shared.stream, shared.pre, shared.selection, shared.pool,
+                       list(shared.tokens)),
+        V41AdapterState(bound.adapter, windows(bound.windows), bound.length, bound.digest))
+
+
+# -- deltas: what a turn adds, as named tensors (ced.state.StateDelta) ---------------------------------------------
+
+_CHOICES = ("selection", "pool")  # the W-bounded top-k and candidate pool, each as `.idx` and `.valid`
+
+
+def new_entries(config: V41Config, start_length: int, end_length: int) -> dict[str, int]:
+    """The global entries a delta from `start_length` to `end_length` adds, per append-only part (`entries.{layer}`,
+    one per completed group of that source's ratio): how a codec checks a delta read back before it is applied."""
+    ratios = {layer: config.compress_ratios[layer] for layer in config.kv_source_layer_ids}
+    return {f"entries.{layer}": end_length // r - start_length // r for layer, r in ratios.items()}
+
+
+def _entries_at(store: LatentStore, layer: int, length: int) -> int:
+    """The entries a store holds after `length` tokens (one per complete group); refuses a store that disagrees."""
+    expected = length // store.ratio
+    if store.n_entries != expected:
+        raise DeltaError(f"the store of layer {layer} holds {store.n_entries} entries after {length} tokens, not "
+                         f"{expected} (one per group of {store.ratio})")
+    return expected
+
+
+def delta_of(state: V41ConversationState, since_length: int) -> StateDelta:
+    """What `state` holds beyond its first `since_length` tokens (0: the whole state, a snapshot): the global
+    entries added since (appended) and the W-bounded parts whole (replaced). O(new tokens + W) bytes; dense copies
+    that share no storage with the live state. The adapter-bound windows are never in it."""
+    shared = state.shared
+    if not 0 <= since_length <= shared.length:
+        raise DeltaError(f"cannot take a delta since token {since_length} of a state of {shared.length} tokens")
+    appended, replaced = {}, {}
+    for layer, store in shared.stores.items():
+        _entries_at(store, layer, shared.length)
+        if store.latent is not None:
+            first = since_length // store.ratio
+            appended[f"entries.{layer}.latent"] = dense(store.latent[:, first:])  # (1, n, D)
+            appended[f"entries.{layer}.index_keys"] = dense(store.index_keys[:, first:])  # (1, n, I)
+        if store.pending is not None:
+            replaced[f"pending.{layer}"] = dense(store.pending)  # (1, p < ratio, C)
+    for layer, window in shared.windows.items():
+        if window.kv is not None:
+            replaced[f"window.{layer}"] = dense(window.kv)  # (1, n <= W, D)
+    for name, tensor in (("stream", shared.stream), ("pre", shared.pre)):
+        if tensor is not None:
+            replaced[name] = dense(tensor)  # (1, n <= W, hc, C), (1, n, hc)
+    for name in _CHOICES:
+        choice = getattr(shared, name)
+        if choice is not None:
+            replaced[f"{name}.idx"], replaced[f"{name}.valid"] = dense(choice.idx), dense(choice.valid)
+    return StateDelta(start_length=since_length, tokens=list(shared.tokens[since_length:]), appended=appended,
+                      replaced=replaced, bound_adapter=state.bound.adapter)
+
+
+def _check_delta(state: V41ConversationState, delta: StateDelta) -> None:
+    """Everything apply_delta relies on, checked before the state is touched."""
+    shared = state.shared
+    if shared.length != delta.start_length:
+        raise DeltaError(f"the delta starts at token {delta.start_length}, the state holds {shared.length}")
+    known_appended = {f"entries.{layer}.{part}" for layer in shared.stores for part in ("latent", "index_keys")}
+    known_replaced = ({f"pending.{layer}" for layer in shared.stores} | {f"window.{layer}" for layer in shared.windows}
+                      | {"stream", "pre"} | {f"{name}.{part}" for name in _CHOICES for part in ("idx", "valid")})
+    unknown = sorted(set(delta.appended) - known_appended) + sorted(set(delta.replaced) - known_replaced)
+    if unknown:
+        raise DeltaError(f"the delta holds parts {unknown} that this deepseek_v41 state does not have")
+    end = delta.start_length + len(delta.tokens)
+    for layer, store in shared.stores.items():
+        latent, keys = delta.appended.get(f"entries.{layer}.latent"), delta.appended.get(f"entries.{layer}.index_keys")
+        held = 0 if latent is None else latent.shape[1]
+        added = end // store.ratio - _entries_at(store, layer, delta.start_length)
+        if held != added or (latent is None) != (keys is None) or (keys is not None and keys.shape[1] != held):
+            raise DeltaError(f"the delta holds {held} global entries of layer {layer} (and "
+                             f"{0 if keys is None else keys.shape[1]} indexer keys); its {len(delta.tokens)} tokens "
+                             f"from token {delta.start_length} complete {added}")
+        row = lambda t: (t.shape[0], *t.shape[2:], t.dtype)  # noqa: E731  (what joins along dim 1 must match)
+        for new, old in ((latent, store.latent), (keys, store.index_keys)):
+            if new is not None and old is not None and row(new) != row(old):
+                raise DeltaError(f"the delta's entries of layer {layer} are {tuple(new.shape)} {new.dtype}; the "
+                                 f"state's are {tuple(old.shape)} {old.dtype}")
+    for name in _CHOICES:
+        if (f"{name}.idx" in delta.replaced) != (f"{name}.valid" in delta.replaced):
+            raise DeltaError(f"the delta holds one of {name}.idx and {name}.valid without the other")
+
+
+def apply_delta(state: V41ConversationState, delta: StateDelta) -> None:
+    """Extend `state` (of exactly delta.start_length tokens) by `delta`; a delta that does not fit raises DeltaError
+    and leaves the state as it was. The adapter-bound windows come back empty, for `delta.bound_adapter` at length
+    0: the next turn rebuilds them by replay."""
+    _check_delta(state, delta)
+    shared, replaced = state.shared, delta.replaced
+    shared.tokens.extend(delta.tokens)
+    for layer, store in shared.stores.items():
+        if f"entries.{layer}.latent" in delta.appended:
+            store.add_entries(delta.appended[f"entries.{layer}.latent"], delta.appended[f"entries.{layer}.index_keys"])
+        store.pending = replaced.get(f"pending.{layer}")
+    for layer, window in shared.windows.items():
+        window.kv = replaced.get(f"window.{layer}")
+    shared.stream, shared.pre = replaced.get("stream"), replaced.get("pre")
+    for name in _CHOICES:
+        choice = Selection(replaced[f"{name}.idx"], replaced[f"{name}.valid"]) if f"{name}.idx" in replaced else None
+        setattr(shared, name, choice)
+    empty = {i: LatentWindow(w.size) for i, w in state.bound.windows.items()}
+    state.bound = V41AdapterState(delta.bound_adapter, empty)

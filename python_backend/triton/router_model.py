@@ -6,10 +6,9 @@ and ends it), so a direct call can change nothing. `pb` is passed in, so it is t
 
 from __future__ import annotations
 
-import json
-
 import torch
 
+from ced.families import read_config
 from ced.tokenization import ChatTokenizer
 
 from ..core.adapter_set import AdapterSetWatcher
@@ -30,8 +29,7 @@ class RouterModel:
         self.watcher = AdapterSetWatcher(settings.adapter_set)
         self.stage = RouterStage(load_scorer(settings, tokenizer=ChatTokenizer(settings.model_dir)))
         self.counters = Counters(pb, "router")
-        config = json.loads((settings.model_dir / "config.json").read_text())
-        self.hidden_size = config["hidden_size"]  # the size of pooled H19
+        self.hidden_size = read_config(settings.model_dir).hidden_size  # the size of pooled H19
 
     def execute(self, requests) -> list:
         self.watcher.poll()

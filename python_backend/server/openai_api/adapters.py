@@ -183,9 +183,17 @@ def _weightless_registry(model_dir: Path, max_adapters: int, max_rank: int):
     placement rule of the real engine, no weights in memory (milliseconds even for a large model)."""
     import torch
 
-    from ced.engine import CEDEngine
-    from ced.model import CEDForCausalLM, CEDPretrainedConfig
+    from ced.families import family_of, read_config
 
-    config = CEDPretrainedConfig.from_pretrained(model_dir)
+    family = family_of(model_dir)
     with torch.device("meta"):  # the slot buffers too
-        return CEDEngine(CEDForCausalLM(config), max_adapters, max_rank).adapters
+        if family.name == "deepseek_v41":
+            from ced.deepseek_v41.adapters import V41AdapterRegistry, V41AdapterSet
+
+            return V41AdapterRegistry(V41AdapterSet(family.model_cls()(read_config(model_dir))), max_adapters,
+                                      max_rank)
+        from ced.engine import CEDEngine
+        from ced.model import CEDForCausalLM, CEDPretrainedConfig
+
+        return CEDEngine(CEDForCausalLM(CEDPretrainedConfig.from_pretrained(model_dir)), max_adapters,
+                         max_rank).adapters

@@ -1,0 +1,122 @@
+"""The serving engine of the `deepseek_v41` family, with `ced.engine.CEDEngine`'s interface and semantics, so the
+server's scheduler drives it through `ced.row_engine.RowEngine` (one conversation per call) as it drives the ced
+family's exported graphs.
+
+A turn is `prefill` (the new tokens through the adapter-free shared stage: layers 0..E-1 and layer E's attention;
+never the history again), `replay` (layer E's FFN and layers E+1..L-1 over the last W positions under the turn's
+adapter: a switch costs what a continue costs), then one `step` per token. Each call selects its adapter for that
+call only, so consecutive calls on different conversations may name different adapters. The arithmetic is the
+reference serial path's (`V41Conversation`), on the state the server stores (`V41ConversationState`).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from ..engine import CEDEngine, EngineStats, StateError, check_tokens
+from ..state import Selection
+from .adapters import V41AdapterRegistry, V41AdapterSet
+from .model import DeepseekV41ForCausalLM, SharedOutput
+from .state import V41AdapterState, V41ConversationState, empty_state
+
+
+class V41Engine:
+    def __init__(self, model: DeepseekV41ForCausalLM, max_adapters: int = 8, max_rank: int = 16,
+                 prefill_chunk: int = 256):
+        self.model = model.eval()
+        self.config = model.config
+        self.prefill_chunk = prefill_chunk
+        self.adapter_set = V41AdapterSet(model)  # wraps every module the placement rule allows
+        self.adapters = V41AdapterRegistry(self.adapter_set, max_adapters, max_rank)
+        self.stats = EngineStats()
+
+    # -- conversations --------------------------------------------------------------------------------------
+
+    def new_conversation(self) -> V41ConversationState:
+        return empty_state(self.config)
+
+    @contextmanager
+    def _using(self, adapter: str | None) -> Iterator[None]:
+        """`adapter` in every wrapped module for this call only (an unknown name fails before any work)."""
+        self.adapters.slot_of(adapter)
+        self.adapter_set.use(adapter)
+        try:
+            yield
+        finally:
+            self.adapter_set.use(None)
+
+    def _shared_stage(self, state: V41ConversationState, tokens: list[int]) -> SharedOutput:
+        """The adapter-free stage over `tokens` at the end of the context; appends to the shared state."""
+        shared = state.shared
+        ids = torch.tensor([tokens], device=self.model.embed.weight.device)  # (1, T)
+        out = self.model.run_shared(ids, shared.length, shared.windows, shared.stores)
+        shared.keep(out.stream, out.pre, out.selection, out.pool, self.config.sliding_window)
+        shared.tokens.extend(tokens)
+        return out
+
+    # -- the verbs ------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, state: V41ConversationState, tokens: list[int]) -> Tensor:
+        """Encode new tokens through the adapter-free stage only; returns H19 (n, C), the last encoder layer's
+        streams pooled over the mHC axis (mean of the hc_mult streams): what the router reads."""
+        tokens = check_tokens(self.config, state.length, tokens)
+        h19 = []
+        with self._using(None):
+            for start in range(0, len(tokens), self.prefill_chunk):
+                out = self._shared_stage(state, tokens[start: start + self.prefill_chunk])
+                h19.append(out.h19[0].mean(dim=1))  # (n, hc, C) -> (n, C)
+        self.stats.prefilled_positions += len(tokens)
+        return torch.cat(h19)
+
+    @torch.inference_mode()
+    def replay(self, state: V41ConversationState, adapter: str | None) -> tuple[Tensor, int]:
+        """Drop the adapter-bound windows and rebuild them over the last W positions under `adapter`. Returns the
+        next-token logits (V,) and the number of positions replayed (min(W, context))."""
+        if state.length == 0:
+            raise StateError("nothing to replay: the conversation is empty")
+        self.adapters.slot_of(adapter)  # an unknown adapter fails here, before the state is touched
+        shared, n = state.shared, min(self.config.sliding_window, state.length)
+        last = lambda c: None if c is None else Selection(c.idx[:, -n:], c.valid[:, -n:])  # noqa: E731
+        out = SharedOutput(None, shared.stream[:, -n:], shared.pre[:, -n:], last(shared.selection), last(shared.pool))
+        windows = self.model.new_windows(self.config.adapter_bound_layers)
+        with self._using(adapter):
+            hidden = self.model.run_decoder(out, state.length - n, windows, shared.stores, last_only=True)
+            logits = self.model.logits(hidden)[0, -1]
+        state.bound = V41AdapterState(adapter, windows, state.length, self.adapters.digest(adapter))
+        self.stats.replayed_positions += n
+        return logits, n
+
+    @torch.inference_mode()
+    def step(self, state: V41ConversationState, token: int, adapter: str | None) -> Tensor:
+        """Append one token (both stages) under the adapter whose windows are current; returns logits (V,)."""
+        tokens = check_tokens(self.config, state.length, [token])
+        bound = state.bound
+        if bound.length != state.length or bound.adapter != adapter:
+            raise StateError(f"the adapter-bound windows are for {bound.adapter!r} at length {bound.length}, not "
+                             f"{adapter!r} at {state.length}: call replay first")
+        if bound.digest != self.adapters.digest(adapter):
+            raise StateError(f"adapter {adapter!r} now holds other weights than those its windows were built with "
+                             "(replaced since, or never built): call replay first")
+        with self._using(adapter):
+            out = self._shared_stage(state, tokens)
+            hidden = self.model.run_decoder(out, state.length - 1, bound.windows, state.shared.stores)
+            logits = self.model.logits(hidden)[0, -1]
+        bound.length = state.length
+        self.stats.decoded_tokens += 1
+        return logits
+
+    # CEDEngine's own: they need only prefill, replay, step, adapters, config.max_context and state.shared.tokens
+    turn = CEDEngine.turn
+    generate = CEDEngine.generate
+
+    @torch.inference_mode()
+    def oracle(self, tokens: list[int], adapter: str | None) -> Tensor:
+        """Recompute the whole context under `adapter` in one pass: logits (T, V). Evaluation only."""
+        ids = torch.tensor([tokens], device=self.model.embed.weight.device)
+        with self._using(adapter):
+            return self.model(ids, chunk_size=self.prefill_chunk)[0]
