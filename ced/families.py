@@ -33,7 +33,8 @@ class Family:
     read_config: str  # "module:function" config.json dict -> config
     build: str  # "module:function" (config, seed) -> model with random weights
     states: str  # the module of its conversation state's verbs: empty_state, copy_state, delta_of, apply_delta,
-    #              new_entries (what the store, the journal and the row engine call, whatever the family)
+    #              new_entries, entry_tensors, bound_tensors, set_bound (what the store, the journal, the transfers
+    #              and the row engine call, whatever the family)
 
     def config_cls(self) -> type:
         return _load(self.config_class)

@@ -194,6 +194,30 @@ def empty_state(config: CEDConfig) -> ConversationState:
     return ConversationState(shared, AdapterState(None, windows(config.adapter_bound_layers)))
 
 
+def entry_tensors(state: ConversationState) -> dict[str, Tensor]:
+    """Every append-only part as held (no copy), named as in a delta: what a transfer's base is counted and
+    fingerprinted by."""
+    return {f"entries.{layer}.{name}": tensor for layer, g in state.shared.globals.items() if g.k is not None
+            for name, tensor in (("k", g.k), ("v", g.v), ("index_keys", g.index_keys))}
+
+
+def bound_tensors(state: ConversationState) -> dict[str, Tensor]:
+    """The adapter-bound windows by name: what a transfer may carry beside a delta (a journal never does)."""
+    return {f"bound.window.{layer}.{name}": tensor for layer, w in state.bound.windows.items() if w.k is not None
+            for name, tensor in (("k", w.k), ("v", w.v))}
+
+
+def set_bound(state: ConversationState, tensors: dict[str, Tensor], adapter: str | None, length: int,
+              digest: str | None) -> None:
+    """The adapter-bound windows from `bound_tensors`' names (none: empty windows)."""
+    known = {f"bound.window.{layer}.{name}" for layer in state.bound.windows for name in ("k", "v")}
+    if set(tensors) - known:
+        raise DeltaError(f"the adapter-bound windows name parts {sorted(set(tensors) - known)} this state does not have")
+    windows = {layer: LocalWindow(w.size, tensors.get(f"bound.window.{layer}.k"), tensors.get(f"bound.window.{layer}.v"))
+               for layer, w in state.bound.windows.items()}
+    state.bound = AdapterState(adapter, windows, length, digest)
+
+
 def new_entries(config: CEDConfig, start_length: int, end_length: int) -> dict[str, int]:
     """The global entries a delta from `start_length` to `end_length` adds, per append-only part (`entries.{layer}`):
     how a codec checks a delta read back before it is applied (one entry per completed block of m tokens)."""

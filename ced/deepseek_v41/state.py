@@ -214,6 +214,30 @@ def copy_state(state: V41ConversationState) -> V41ConversationState:
 _CHOICES = ("selection", "pool")  # the W-bounded top-k and candidate pool, each as `.idx` and `.valid`
 
 
+def entry_tensors(state: V41ConversationState) -> dict[str, Tensor]:
+    """Every append-only part as held (no copy), named as in a delta: what a transfer's base is counted and
+    fingerprinted by."""
+    return {f"entries.{layer}.{name}": tensor for layer, store in state.shared.stores.items()
+            if store.latent is not None
+            for name, tensor in (("latent", store.latent), ("index_keys", store.index_keys))}
+
+
+def bound_tensors(state: V41ConversationState) -> dict[str, Tensor]:
+    """The adapter-bound windows by name: what a transfer may carry beside a delta (a journal never does)."""
+    return {f"bound.window.{layer}": w.kv for layer, w in state.bound.windows.items() if w.kv is not None}
+
+
+def set_bound(state: V41ConversationState, tensors: dict[str, Tensor], adapter: str | None, length: int,
+              digest: str | None) -> None:
+    """The adapter-bound windows from `bound_tensors`' names (none: empty windows)."""
+    known = {f"bound.window.{layer}" for layer in state.bound.windows}
+    if set(tensors) - known:
+        raise DeltaError(f"the adapter-bound windows name parts {sorted(set(tensors) - known)} this state does not have")
+    windows = {layer: LatentWindow(w.size, tensors.get(f"bound.window.{layer}"))
+               for layer, w in state.bound.windows.items()}
+    state.bound = V41AdapterState(adapter, windows, length, digest)
+
+
 def new_entries(config: V41Config, start_length: int, end_length: int) -> dict[str, int]:
     """The global entries a delta from `start_length` to `end_length` adds, per append-only part (`entries.{layer}`,
     one per completed group of that source's ratio): how a codec checks a delta read back before it is applied."""

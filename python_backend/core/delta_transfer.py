@@ -38,10 +38,11 @@ import torch
 from safetensors.torch import save
 
 from ced.config import CEDConfig
-from ced.state import AdapterState, ConversationState, GlobalKV, LocalWindow, Selection, SharedState
+from ced.families import family_of_config
+from ced.state import ConversationState, dense
 
 from .transfer import (TransferError, _checksum, _read_metadata, config_fingerprint, decode_state, encode_state,
-                       read_checked)
+                       read_checked, record_delta, state_tensors)
 
 DELTA_FORMAT = "mol2-delta-1"
 TO_DECODE, TO_PREFILL = "to_decode", "to_prefill"
@@ -74,69 +75,65 @@ class Base:
 
     version: str
     tokens: int
-    entries: tuple[int, ...]  # global entries per source layer, in config.source_layers order
+    entries: tuple[tuple[str, int], ...]  # rows of each append-only tensor (by its delta name), sorted by name
     fingerprint: str
 
 
+def _verbs(config: CEDConfig):
+    return family_of_config(config).state_verbs()
+
+
+def _entry_counts(state: ConversationState, config: CEDConfig) -> dict[str, int]:
+    return {name: tensor.shape[1] for name, tensor in _verbs(config).entry_tensors(state).items()}
+
+
 def base_of(state: ConversationState, config: CEDConfig, version: str = "") -> Base:
-    entries = tuple(state.shared.globals[layer].n_entries for layer in config.source_layers)
+    entries = tuple(sorted(_entry_counts(state, config).items()))
     return Base(version, state.length, entries, fingerprint(state, config, state.length, entries))
 
 
-def fingerprint(state: ConversationState, config: CEDConfig, tokens: int, entries: tuple[int, ...]) -> str:
-    """A cheap check that `state` begins with a given base: the counts, the last tokens and each layer's last
-    global row (k, v, index key) before them. O(1) in the history; the version id does the rest."""
-    digest = hashlib.sha256(json.dumps([tokens, list(entries), state.shared.tokens[max(0, tokens - _TAIL):tokens]])
-                            .encode())
-    for layer, count in zip(config.source_layers, entries):
-        store = state.shared.globals[layer]
+def fingerprint(state: ConversationState, config: CEDConfig, tokens: int, entries: tuple[tuple[str, int], ...]) -> str:
+    """A cheap check that `state` begins with a given base: the counts, the last tokens and each append-only
+    tensor's last row before them. O(1) in the history; the version id does the rest."""
+    digest = hashlib.sha256(json.dumps([tokens, [list(e) for e in entries],
+                                        state.shared.tokens[max(0, tokens - _TAIL):tokens]]).encode())
+    held = _verbs(config).entry_tensors(state)
+    for name, count in entries:
         if count:
-            for rows in (store.k, store.v, store.index_keys):
-                digest.update(_bytes(rows[:, count - 1]))
+            digest.update(_bytes(held[name][:, count - 1]))
     return digest.hexdigest()[:32]
 
 
 def extends(state: ConversationState, config: CEDConfig, base: Base) -> bool:
     """Whether `state` holds `base` as its prefix (by counts and fingerprint)."""
-    if state.length < base.tokens or len(base.entries) != len(config.source_layers):
+    if state.length < base.tokens:
         return False
-    held = tuple(state.shared.globals[layer].n_entries for layer in config.source_layers)
-    if any(have < need for have, need in zip(held, base.entries)):
+    held = _entry_counts(state, config)
+    if any(held.get(name, 0) < count for name, count in base.entries):
         return False
     return fingerprint(state, config, base.tokens, base.entries) == base.fingerprint
 
 
 def encode_delta(state: ConversationState, base: Base, config: CEDConfig, direction: str, version: str = "",
                  bound_windows: bool = True) -> bytes:
-    """What `state` holds beyond `base` (which it must extend), as one checksummed safetensors record. `version`:
-    the id the sender keeps `state` under (decode's reply), "" for none. Without `bound_windows` the adapter-bound
-    windows stay behind: the state rebuilt has them empty, as the store gives a state back."""
+    """What `state` holds beyond `base` (which it must extend), as one checksummed safetensors record: the
+    family's delta since the base's tokens (transfer.state_tensors). `version`: the id the sender keeps `state`
+    under (decode's reply), "" for none. Without `bound_windows` the adapter-bound windows stay behind: the state
+    rebuilt has them empty, as the store gives a state back."""
     if not extends(state, config, base):
         raise TransferError(f"cannot take a delta: the state ({state.length} tokens) does not extend its base "
                             f"({base.tokens} tokens)")
-    shared = state.shared
-    tensors: dict[str, torch.Tensor] = {"tokens": torch.tensor(shared.tokens[base.tokens:], dtype=torch.int64)}
-
-    def put(prefix: str, **values):  # as transfer.encode_state: present exactly where the state has a tensor
-        for name, value in values.items():
-            if value is not None:
-                tensors[f"{prefix}.{name}"] = value.clone(memory_format=torch.contiguous_format)
-
-    for layer, first in zip(config.source_layers, base.entries):
-        rows = shared.globals[layer]
-        put(f"shared.global.{layer}", **{name: _after(getattr(rows, name), first)
-                                         for name in ("k", "v", "index_keys")}, pending=rows.pending)
-    for layer, window in shared.windows.items():
-        put(f"shared.window.{layer}", k=window.k, v=window.v)
-    put("shared", stream=shared.stream)
-    if shared.selection is not None:
-        put("shared.selection", idx=shared.selection.idx, valid=shared.selection.valid)
-    if bound_windows:
-        for layer, window in state.bound.windows.items():
-            put(f"bound.window.{layer}", k=window.k, v=window.v)
+    verbs, counts = _verbs(config), dict(base.entries)
+    delta = verbs.delta_of(state, base.tokens)
+    held = _entry_counts(state, config)
+    for name, rows in delta.appended.items():  # the rows after the base's, no more, no fewer
+        if counts.get(name, 0) + rows.shape[1] != held[name]:
+            raise TransferError(f"cannot take a delta: {name} holds {held[name]} rows, the base "
+                                f"{counts.get(name, 0)} and the delta {rows.shape[1]}")
+    tensors = state_tensors(delta, verbs.bound_tensors(state) if bound_windows else None)
     metadata = {"format": DELTA_FORMAT, "config": config_fingerprint(config), "direction": direction,
                 "base_version": base.version, "base_tokens": str(base.tokens),
-                "base_entries": json.dumps(list(base.entries)), "base_fingerprint": base.fingerprint,
+                "base_entries": json.dumps([list(e) for e in base.entries]), "base_fingerprint": base.fingerprint,
                 "version": version, "bound_adapter": json.dumps(state.bound.adapter),
                 "bound_length": str(state.bound.length if bound_windows else 0),
                 "bound_digest": json.dumps(state.bound.digest if bound_windows else None),
@@ -168,8 +165,8 @@ def decode_delta(data: bytes, config: CEDConfig, direction: str) -> Delta:
     if metadata.get("direction") != direction:
         raise TransferError(f"a {metadata.get('direction')} delta was sent {direction}")
     try:
-        base = Base(metadata["base_version"], int(metadata["base_tokens"]),
-                    tuple(int(n) for n in json.loads(metadata["base_entries"])), metadata["base_fingerprint"])
+        entries = tuple((str(name), int(count)) for name, count in json.loads(metadata["base_entries"]))
+        base = Base(metadata["base_version"], int(metadata["base_tokens"]), entries, metadata["base_fingerprint"])
     except (KeyError, ValueError, TypeError) as error:
         raise TransferError(f"delta metadata is incomplete: {error}") from None
     return Delta(base, metadata.get("version", ""), tensors, metadata)
@@ -187,46 +184,15 @@ def rebuild(base_state: ConversationState, delta: Delta, config: CEDConfig) -> C
 
 
 def _rebuild(base_state: ConversationState, delta: Delta, config: CEDConfig) -> ConversationState:
-    tensors, metadata, base = delta.tensors, delta.metadata, delta.base
-
-    def window(prefix: str) -> LocalWindow:
-        return LocalWindow(config.window, tensors.get(f"{prefix}.k"), tensors.get(f"{prefix}.v"))
-
-    stores = {}
-    for layer, count in zip(config.source_layers, base.entries):
-        held, prefix = base_state.shared.globals[layer], f"shared.global.{layer}"
-        rows = [_joined(getattr(held, name), count, tensors.get(f"{prefix}.{name}"))
-                for name in ("k", "v", "index_keys")]
-        stores[layer] = GlobalKV(*rows, tensors.get(f"{prefix}.pending"))
-    selection = None
-    if "shared.selection.idx" in tensors:
-        selection = Selection(tensors["shared.selection.idx"], tensors["shared.selection.valid"])
-    tokens = base_state.shared.tokens[:base.tokens] + tensors["tokens"].tolist()
-    shared = SharedState({i: window(f"shared.window.{i}") for i in range(config.decoder_start + 1)}, stores,
-                         tensors.get("shared.stream"), selection, tokens)
-    bound = AdapterState(json.loads(metadata["bound_adapter"]),
-                         {i: window(f"bound.window.{i}") for i in config.adapter_bound_layers},
-                         int(metadata["bound_length"]), json.loads(metadata["bound_digest"]))
-    return ConversationState(shared, bound)
-
-
-def _after(rows: torch.Tensor | None, first: int) -> torch.Tensor | None:
-    if rows is None:
-        if first:
-            raise TransferError(f"the state has no global rows where its base has {first}")
-        return None
-    return rows[:, first:]
-
-
-def _joined(held: torch.Tensor | None, count: int, new: torch.Tensor | None) -> torch.Tensor | None:
-    """The base's first `count` rows, then the delta's: a new tensor (the base's is never written)."""
-    if held is None or count == 0:
-        if count:
-            raise TransferError(f"the base holds no global rows where the delta expects {count}")
-        return new
-    if new is None:
-        raise TransferError("the delta carries no rows for a layer whose base has some")
-    return torch.cat([held[:, :count], new], dim=1)
+    verbs, metadata = _verbs(config), delta.metadata
+    if base_state.length != delta.base.tokens:
+        raise TransferError(f"the base holds {base_state.length} tokens, the delta is on {delta.base.tokens}")
+    bound_adapter = json.loads(metadata["bound_adapter"])
+    changes, bound = record_delta(delta.tensors, delta.base.tokens, bound_adapter)
+    state = verbs.copy_state(base_state)  # new containers: the base's tensors are never written
+    verbs.apply_delta(state, changes)
+    verbs.set_bound(state, bound, bound_adapter, int(metadata["bound_length"]), json.loads(metadata["bound_digest"]))
+    return state
 
 
 def _bytes(tensor: torch.Tensor) -> bytes:
@@ -237,18 +203,14 @@ def _state_nbytes(state: ConversationState) -> int:
     return sum(state.nbytes().values())
 
 
-def _cpu(state: ConversationState) -> ConversationState:
+def _own_copy(state: ConversationState, config: CEDConfig) -> ConversationState:
     """A copy in host memory, each tensor dense and its own (the cache's bytes are then what it counts)."""
-    move = lambda t: None if t is None else t.detach().cpu().clone(memory_format=torch.contiguous_format)  # noqa: E731
-    shared = state.shared
-    windows = lambda ws: {i: LocalWindow(w.size, move(w.k), move(w.v)) for i, w in ws.items()}  # noqa: E731
-    stores = {i: GlobalKV(move(g.k), move(g.v), move(g.index_keys), move(g.pending)) for i, g in shared.globals.items()}
-    selection = None if shared.selection is None else Selection(move(shared.selection.idx),
-                                                                move(shared.selection.valid))
-    return ConversationState(SharedState(windows(shared.windows), stores, move(shared.stream), selection,
-                                         list(shared.tokens)),
-                             AdapterState(state.bound.adapter, windows(state.bound.windows), state.bound.length,
-                                          state.bound.digest))
+    verbs = _verbs(config)
+    copy = verbs.empty_state(config)
+    verbs.apply_delta(copy, verbs.delta_of(state, 0))  # a delta's tensors are dense copies
+    bound = {name: dense(tensor.detach().cpu()) for name, tensor in verbs.bound_tensors(state).items()}
+    verbs.set_bound(copy, bound, state.bound.adapter, state.bound.length, state.bound.digest)
+    return copy
 
 
 def no_count(*args, **labels) -> None:
@@ -328,7 +290,7 @@ class DecodeTransfers:
         if the engine did not keep that state as its prefix. The final state is cached for the next turn (not at
         the end of the conversation)."""
         self.forget(conversation_id)
-        kept = None if end else _cpu(final)
+        kept = None if end else _own_copy(final, self.config)
         if kept is not None and _state_nbytes(kept) > self.limit_bytes:
             kept = None  # larger than the whole cache: its next turn goes whole
         version = "" if kept is None else secrets.token_hex(8)  # "": the relay sends the next turn whole

@@ -21,15 +21,14 @@ import json
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save
 
 from ced.config import CEDConfig
 from ced.families import family_of_config
-from ced.state import DeltaError, StateDelta, dense, split_delta
+from ced.state import DeltaError, StateDelta
 
-from .transfer import config_fingerprint
+from .transfer import config_fingerprint, record_delta, state_tensors
 
 MAGIC = b"MJR1"
 FORMAT = "mol2-journal-1"
@@ -49,8 +48,7 @@ class TornRecord(JournalError):
 
 
 def encode_record(delta: StateDelta, config: CEDConfig) -> bytes:
-    tensors = {"tokens": torch.tensor(delta.tokens, dtype=torch.int64)}
-    tensors.update({name: dense(tensor) for name, tensor in (*delta.appended.items(), *delta.replaced.items())})
+    tensors = state_tensors(delta)
     metadata = {"format": FORMAT, "config": config_fingerprint(config), "start_length": str(delta.start_length),
                 "bound_adapter": json.dumps(delta.bound_adapter)}
     payload = save(tensors, metadata=metadata)
@@ -96,8 +94,9 @@ def _decode_payload(payload: bytes, config: CEDConfig) -> StateDelta:
     if metadata.get("config") != config_fingerprint(config):
         raise JournalError(f"record was written for another model config "
                            f"({metadata.get('config')} != {config_fingerprint(config)})")
-    tensors.pop("tokens")
-    delta = StateDelta(start_length, tokens, *split_delta(tensors), bound_adapter=bound_adapter)
+    delta, bound = record_delta(tensors, start_length, bound_adapter)
+    if bound:
+        raise JournalError(f"record at token {start_length} holds adapter-bound windows, which a journal never keeps")
     expected = family_of_config(config).state_verbs().new_entries(config, start_length, delta.end_length)
     for name, tensor in delta.appended.items():
         part = name.rsplit(".", 1)[0]

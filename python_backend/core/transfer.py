@@ -1,8 +1,12 @@
-"""A conversation's state as bytes: what prefill hands to decode, and what the store keeps on disk.
+"""A conversation's state as bytes: what prefill hands to decode (and a decode server back to its relay).
 
-safetensors, never pickle. The metadata carries a format version, the model config's fingerprint, the adapter
-that owns the bound windows (its name, length and digest), and a sha256 of every tensor's bytes and every one of
-those fields: a damaged or foreign record is refused, whichever field the damage is in.
+One codec for every state's bytes, whatever the model family: a state is its family's delta since token 0
+(`delta_of`: the append-only `entries.*` and the W-bounded parts, by name; ced/state.py), plus its adapter-bound
+windows (`bound_tensors`) where a transfer carries them; the journal's records (journal.py) and the delta transfer
+(delta_transfer.py) are the same tensors with their own framing. safetensors, never pickle. The metadata carries
+a format version, the model config's fingerprint, the adapter that owns the bound windows (its name, length and
+digest), and a sha256 of every tensor's bytes and every one of those fields: a damaged or foreign record is
+refused, whichever field the damage is in.
 """
 
 from __future__ import annotations
@@ -17,12 +21,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load, save
 
 from ced.config import CEDConfig
-from ced.state import AdapterState, ConversationState, GlobalKV, LocalWindow, Selection, SharedState
+from ced.families import family_of_config
+from ced.state import ConversationState, StateDelta, dense, split_delta
 
 from .fnv import BASE
 from .inputs import RequestError
 
-FORMAT = "mol2-state-2"  # 2: the checksum covers the metadata fields too
+FORMAT = "mol2-state-3"  # 2: the checksum covers the metadata fields too; 3: any family, its delta's names
 
 
 class TransferError(ValueError):
@@ -48,23 +53,26 @@ def _checksum(tensors: dict[str, torch.Tensor], metadata: dict[str, str], covere
     return digest.hexdigest()
 
 
+def state_tensors(delta: StateDelta, bound: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+    """A delta's tensors (and adapter-bound windows) as a record holds them: tokens, then every part by name, each
+    dense (a size-1 dim may carry stride 0: ONNX Runtime outputs do)."""
+    parts = {**delta.appended, **delta.replaced, **(bound or {})}
+    return {"tokens": torch.tensor(delta.tokens, dtype=torch.int64),
+            **{name: dense(tensor) for name, tensor in parts.items()}}
+
+
+def record_delta(tensors: dict[str, Tensor], start_length: int, bound_adapter: str | None
+                 ) -> tuple[StateDelta, dict[str, Tensor]]:
+    """`state_tensors` read back: the delta and the adapter-bound windows."""
+    tensors = dict(tensors)
+    tokens = tensors.pop("tokens").tolist()
+    bound = {name: tensors.pop(name) for name in [n for n in tensors if n.startswith("bound.")]}
+    return StateDelta(start_length, tokens, *split_delta(tensors), bound_adapter=bound_adapter), bound
+
+
 def encode_state(state: ConversationState, config: CEDConfig) -> bytes:
-    tensors: dict[str, torch.Tensor] = {"tokens": torch.tensor(state.shared.tokens, dtype=torch.int64)}
-
-    def put(prefix: str, **values):
-        for name, value in values.items():
-            if value is not None:  # dense strides: a size-1 dim may carry stride 0 (ONNX Runtime outputs do)
-                tensors[f"{prefix}.{name}"] = value.clone(memory_format=torch.contiguous_format)
-
-    for layer, window in state.shared.windows.items():
-        put(f"shared.window.{layer}", k=window.k, v=window.v)
-    for layer, store in state.shared.globals.items():
-        put(f"shared.global.{layer}", k=store.k, v=store.v, index_keys=store.index_keys, pending=store.pending)
-    put("shared", stream=state.shared.stream)
-    if state.shared.selection is not None:
-        put("shared.selection", idx=state.shared.selection.idx, valid=state.shared.selection.valid)
-    for layer, window in state.bound.windows.items():
-        put(f"bound.window.{layer}", k=window.k, v=window.v)
+    verbs = family_of_config(config).state_verbs()
+    tensors = state_tensors(verbs.delta_of(state, 0), verbs.bound_tensors(state))
     metadata = {"format": FORMAT, "config": config_fingerprint(config),
                 "bound_adapter": json.dumps(state.bound.adapter), "bound_length": str(state.bound.length),
                 "bound_digest": json.dumps(state.bound.digest)}
@@ -107,21 +115,12 @@ def _decode_state(data: bytes, config: CEDConfig) -> ConversationState:
         bound_digest = json.loads(metadata["bound_digest"])
     except (KeyError, ValueError) as error:
         raise TransferError(f"state metadata is incomplete: {error}") from None
-
-    def window(prefix: str) -> LocalWindow:
-        return LocalWindow(config.window, tensors.get(f"{prefix}.k"), tensors.get(f"{prefix}.v"))
-
-    E = config.decoder_start
-    stores = {layer: GlobalKV(*(tensors.get(f"shared.global.{layer}.{n}") for n in ("k", "v", "index_keys", "pending")))
-              for layer in config.source_layers}
-    selection = None
-    if "shared.selection.idx" in tensors:
-        selection = Selection(tensors["shared.selection.idx"], tensors["shared.selection.valid"])
-    shared = SharedState({i: window(f"shared.window.{i}") for i in range(E + 1)}, stores,
-                         tensors.get("shared.stream"), selection, tensors["tokens"].tolist())
-    bound = AdapterState(bound_adapter, {i: window(f"bound.window.{i}") for i in config.adapter_bound_layers},
-                         bound_length, bound_digest)
-    return ConversationState(shared, bound)
+    verbs = family_of_config(config).state_verbs()
+    delta, bound = record_delta(tensors, 0, bound_adapter)
+    state = verbs.empty_state(config)
+    verbs.apply_delta(state, delta)
+    verbs.set_bound(state, bound, bound_adapter, bound_length, bound_digest)
+    return state
 
 
 def _read_metadata(data: bytes) -> dict:
