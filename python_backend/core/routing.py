@@ -29,7 +29,10 @@ def load_scorer(settings, model=None, tokenizer=None):
     from mol2_router import load_router  # the MoL2 package; imported only when a head exists
     from mol2_router.router import backbone_embedding
 
-    embedding = model.get_input_embeddings().weight if model is not None else backbone_embedding(settings.model_dir)
+    if model is not None and hasattr(model, "get_input_embeddings"):  # a CED model (transformers' API)
+        embedding = model.get_input_embeddings().weight
+    else:  # no model built here, or a deepseek_v41 one: read from the checkpoint
+        embedding = backbone_embedding(settings.model_dir)
     return load_router(settings.router_dir, tokenizer=tokenizer, embedding=embedding).score_adapter_set
 
 

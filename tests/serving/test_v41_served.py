@@ -2,7 +2,8 @@
 sharded safetensors) and PEFT adapters on its native module names, driven over HTTP `generate` as the ced family
 is. A conversation that switches adapters every turn answers the family's reference serial path token for token
 (ced/deepseek_v41/conversation.py), each turn replaying W positions; it is stored in the journal and goes on after
-the server restarts."""
+the server restarts; the OpenAI API in front of it answers as the reference, sharing a prompt's prefix across
+adapters."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import shutil
 
 import pytest
 import torch
+from openai import OpenAI
 
 from ced.adapters import write_peft_adapter
 from ced.deepseek_v41.adapters import V41AdapterSet
@@ -21,6 +23,7 @@ from ced.deepseek_v41.model import DeepseekV41ForCausalLM
 from ced.tokenization import ChatTokenizer
 from python_backend.core.seal import SECRET_VARIABLE, create_secret_file
 from python_backend.core.settings import ROOT
+from python_backend.server.openai_api import OpenAIServer, OpenAISettings
 from python_backend.server.launcher import Ports, running
 
 from test_triton import post
@@ -50,16 +53,21 @@ def v41_dir(tmp_path_factory):
     return root
 
 
-def reference_turns(v41_dir, turns) -> list[list[int]]:
-    """The family's serial reference: prefill the turn, replay W under its adapter, greedy steps."""
+def reference_turns(v41_dir, turns, prompts=None) -> list[list[int]]:
+    """The family's serial reference: prefill the turn, replay W under its adapter, greedy steps. `prompts`: each
+    turn's tokens as given (a fresh conversation each), else the chat template's user turns of one conversation."""
     _, model = load_checkpoint(v41_dir / "model")
     adapters = V41AdapterSet(model)
     for name in ADAPTERS:
         adapters.load(name, v41_dir / "adapters" / name)
     tokenizer, conversation, answers = ChatTokenizer(v41_dir / "model"), V41Conversation(model), []
-    for text, adapter in turns:
+    for number, (text, adapter) in enumerate(turns):
         adapter = None if adapter == "base" else adapter
-        conversation.prefill(tokenizer.user_turn(tokenizer.encode(text), first=conversation.length == 0))
+        if prompts is not None:
+            conversation = V41Conversation(model)
+            conversation.prefill(prompts[number])
+        else:
+            conversation.prefill(tokenizer.user_turn(tokenizer.encode(text), first=conversation.length == 0))
         adapters.use(adapter)
         logits, ids = conversation.replay(adapter), []
         for _ in range(MAX_TOKENS):
@@ -99,6 +107,7 @@ def test_a_v41_conversation_switching_adapters_is_the_reference_and_survives_a_r
             context += MAX_TOKENS
             conversation = answer["conversation_id_out"]
             answers.append(answer["text_output"])
+        check_the_openai_api(v41_dir, ports, tokenizer)
     with v41_server() as ports:  # a new server process: the conversation comes back from the journal
         text, adapter = TURNS[3]
         fields = dict(text_input=text, adapter=adapter, conversation_id=conversation, max_tokens=MAX_TOKENS,
@@ -107,3 +116,24 @@ def test_a_v41_conversation_switching_adapters_is_the_reference_and_survives_a_r
         assert "error" not in answer, answer
         answers.append(answer["text_output"])
     assert answers == [tokenizer.decode(ids) for ids in expected]
+
+
+def check_the_openai_api(v41_dir, ports, tokenizer) -> None:
+    """The OpenAI API in front of the same server, with the official client: a chat sent whole under one adapter,
+    then under another, answers as the reference does, the second from the first's prefix in the cache (one
+    history whatever adapter reads it)."""
+    front = OpenAIServer(OpenAISettings(ports.grpc_url, v41_dir / "model", v41_dir / "adapter_set.json"),
+                         port=0).start()
+    try:
+        client = OpenAI(base_url=f"{front.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": "a question long enough to fill a window or two. " * 3}]
+        prompt, _ = tokenizer.render(messages)
+        answers = [client.chat.completions.create(model=adapter, messages=messages, max_tokens=MAX_TOKENS,
+                                                  temperature=0.0) for adapter in ("chat", "coding")]
+        expected = reference_turns(v41_dir, [("", "chat"), ("", "coding")], prompts=[prompt, prompt])
+        assert [a.choices[0].message.content for a in answers] == [tokenizer.decode(ids) for ids in expected]
+        assert [a.model for a in answers] == ["chat", "coding"]
+        assert answers[0].usage.prompt_tokens == answers[1].usage.prompt_tokens == len(prompt)
+        assert answers[1].usage.prompt_tokens_details.cached_tokens == len(prompt)  # shared across adapters
+    finally:
+        front.stop()
