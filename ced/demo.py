@@ -103,7 +103,8 @@ def _shown(path: Path) -> str:
 
 def holds_model(root: Path) -> bool:
     model = Path(root) / "model"
-    return (model / "config.json").is_file() and (model / "model.safetensors").is_file()
+    weights = ("model.safetensors", "model.safetensors.index.json")  # one file (ced) or shards (deepseek_v41)
+    return (model / "config.json").is_file() and any((model / name).is_file() for name in weights)
 
 
 def find_demo(demo: str | Path | None = None, root: str | Path | None = None) -> Demo:

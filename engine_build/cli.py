@@ -145,6 +145,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     root = Path(args.root)
     corpus, tokenizer, demo = root / "corpus", root / "tokenizer", root / "demo"
     quiet = ["--quiet"] if args.quiet else []
+    if args.family == "deepseek_v41":
+        return _demo_v41(args, root, corpus, quiet)
+    if args.quick:
+        raise ValueError("--quick sizes the deepseek_v41 demo only (add --family deepseek_v41)")
     steps = [
         ("corpus", corpus / "manifest.json",
          lambda: main(["corpus", "--out", str(corpus), "--apt-dir", str(root / "apt")] + quiet)),
@@ -169,6 +173,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             return 0
     manifest = write_demo_manifest(demo, args)
     print(f"[demo] ready: {demo} ({manifest['total_mb']:.1f} MB of model + adapters); see {demo / 'README.md'}")
+    return 0
+
+
+def _demo_v41(args: argparse.Namespace, root: Path, corpus: Path, quiet: list[str]) -> int:
+    """The deepseek_v41 demo (engine_build/v41_demo.py): the corpus stage as above, then its own stages."""
+    from .v41_demo import build_v41_demo
+
+    if not (corpus / "manifest.json").exists():
+        print(f"[demo-v41] corpus: building (first run only; cached in {corpus})")
+        main(["corpus", "--out", str(corpus), "--apt-dir", str(root / "apt")] + quiet)
+    build_v41_demo(root, quick=args.quick, progress=not args.quiet, threads=args.threads)
     return 0
 
 
@@ -385,6 +400,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                    "and ROOT/demo, skipping every step whose output is already there, then write "
                                    "ROOT/demo/manifest.json and README.md (commands, numbers, sizes).")
     m.add_argument("--root", default="artifacts", help="artifacts folder (default: %(default)s)")
+    m.add_argument("--family", choices=("ced", "deepseek_v41"), default="ced",
+                   help="ced: the CED demo into ROOT/demo; deepseek_v41: the V4.1-layout demo into ROOT/demo-v41 "
+                        "(pretrain, storage table and release-format model, adapters; its router head is then "
+                        "`mol2 router demo-v41`; its settings are "
+                        "engine_build/v41_demo.py's FULL, the pretrain and adapter options below are the CED demo's) "
+                        "(default: %(default)s)")
+    m.add_argument("--quick", action="store_true",
+                   help="with --family deepseek_v41: a few-minute build at the v41-tiny size into ROOT/demo-v41-quick")
     m.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
     m.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_pretrain_options(m)

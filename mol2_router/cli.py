@@ -14,6 +14,7 @@ fresh build in artifacts/demo, else the committed models/demo, else the untraine
 from __future__ import annotations
 
 import argparse
+import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -121,6 +122,16 @@ def cmd_eval(args) -> None:
     print(markdown_table(summarize(rows), ["split", "by", "group", "n", "accuracy"]))
 
 
+def cmd_demo_v41(args) -> None:
+    import torch
+
+    from .demo_v41 import train_v41_head
+
+    torch.set_num_threads(args.threads)
+    report = train_v41_head(args.root, quick=args.quick, progress=not args.quiet)
+    print(json.dumps(report["accuracy"], indent=1))
+
+
 def cmd_export(args) -> None:
     from .builders import adapter_candidates
     from .features import RouteTokenizer
@@ -212,6 +223,14 @@ def register(commands, **options) -> None:
     q.add_argument("--checkpoint", choices=("best", "last"), default="last")
     q.add_argument("--out", default=None, help="default: <demo>/router beside the adapters")
     q.set_defaults(run=cmd_export)
+
+    q = sub.add_parser("demo-v41", help="train the deepseek_v41 demo's head on its H19 (after `mol2 build demo "
+                                        "--family deepseek_v41`)")
+    q.add_argument("--root", default="artifacts", help="where the demo was built (default: %(default)s)")
+    q.add_argument("--quick", action="store_true", help="the quick build's (ROOT/demo-v41-quick)")
+    q.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
+    q.add_argument("--quiet", action="store_true", help="no progress bars")
+    q.set_defaults(run=cmd_demo_v41)
 
     q = sub.add_parser("bench", help="run a router benchmark (options after the name go to it)")
     q.add_argument("which", choices=("latency", "accuracy", "scaling"))

@@ -79,12 +79,20 @@ def pad_batch(rows: list[list[int]], pad: int = PAD) -> tuple[Tensor, Tensor]:
     return ids, lengths
 
 
+def token_h19(h19: Tensor) -> Tensor:
+    """One vector per position: H19 as is (B, T, C), or a model with mHC residual streams (deepseek_v41: H19 is
+    (B, T, hc, C)) pooled over its streams, the paper's "mean over the inner axis"."""
+    return h19.mean(dim=-2) if h19.dim() == 4 else h19
+
+
 @torch.inference_mode()
 def h19_batch(model, ids: Tensor, chunk: int = 256) -> Tensor:
-    """H19 (B, T, C) of right-padded rows on fresh conversations, the encoder run in chunks of `chunk` positions."""
-    E = model.ced.decoder_start
+    """H19 (B, T, C) of right-padded rows on fresh conversations, the encoder run in chunks of `chunk` positions.
+    Either family: a CED (`model.ced`) or a deepseek_v41 model (`model.config`), whose streams are pooled."""
+    E = (model.ced if hasattr(model, "ced") else model.config).decoder_start
     windows, stores = model.new_windows(range(E + 1)), model.new_stores()
-    out = [model.run_shared(ids[:, s: s + chunk], s, windows, stores).h19 for s in range(0, ids.shape[1], chunk)]
+    out = [token_h19(model.run_shared(ids[:, s: s + chunk], s, windows, stores).h19)
+           for s in range(0, ids.shape[1], chunk)]
     return torch.cat(out, dim=1)
 
 
@@ -145,6 +153,8 @@ def extract(model, layouts: list[Layout], batch_size: int = 16, progress: bool =
 def model_key(model_dir: str | Path) -> str:
     """Identity of a backbone checkpoint: its path and its weights file's size and mtime."""
     weights = Path(model_dir) / "model.safetensors"
+    if not weights.exists():  # a sharded checkpoint (deepseek_v41's release format): its index names the weights
+        weights = Path(model_dir) / "model.safetensors.index.json"
     stat = weights.stat()
     return hashlib.sha256(f"{Path(model_dir).resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
 

@@ -28,7 +28,8 @@ from .features import ROUTE_PROMPT, RouteTokenizer, option_tokens, pad_batch
 from .head import OptionCache, PointerHead
 from .interface import Decision, RouteQuery, Router
 
-EMBEDDING_KEYS = ("model.embed_tokens.weight", "lm_head.weight")
+EMBEDDING_KEYS = ("model.embed_tokens.weight", "lm_head.weight")  # a CED checkpoint (one model.safetensors)
+V41_EMBEDDING = "embed.weight"  # a deepseek_v41 checkpoint (shards and an index, native names; stored in BF16)
 
 
 class MoL2Router(Router):
@@ -148,7 +149,15 @@ def _relative(target: Path, start: Path) -> str:
 
 
 def backbone_embedding(model_dir: str | Path) -> Tensor:
-    """The token-embedding matrix (V, C) read straight from a CED checkpoint's model.safetensors."""
+    """The token-embedding matrix (V, C) read straight from a CED checkpoint's model.safetensors, or from the shard
+    a deepseek_v41 checkpoint's index names for `embed.weight`."""
+    index = Path(model_dir) / "model.safetensors.index.json"
+    if index.is_file():
+        shard = json.loads(index.read_text())["weight_map"].get(V41_EMBEDDING)
+        if shard is None:
+            raise KeyError(f"{index}: names no {V41_EMBEDDING}")
+        with safe_open(str(Path(model_dir) / shard), framework="pt") as f:
+            return f.get_tensor(V41_EMBEDDING).float()
     path = Path(model_dir) / "model.safetensors"
     with safe_open(str(path), framework="pt") as f:
         for key in EMBEDDING_KEYS:

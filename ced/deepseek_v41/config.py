@@ -415,5 +415,18 @@ PRESETS: dict[str, dict] = {
         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
         hc_mult=4, hc_sinkhorn_iters=20, engram_layer_ids=(), engram_num_embeddings=(),
         num_nextn_predict_layers=0, dspark_target_layer_ids=(), vision_num_hidden_layers=0, image_token_id=255,
+        dtype="float32"),    # The trained demo (`mol2 build demo --family deepseek_v41`, docs/demo_model.md): v41-tiny's roles at a width
+    # that trains on two CPU cores, the release's window (128) and mHC (4 streams, Sinkhorn 20); 8 routed experts
+    # top-2 + 1 shared. The vocabulary is the demo tokenizer's (the build sizes it to the tokenizer).
+    "v41-demo": dict(
+        vocab_size=8192, hidden_size=128, num_hidden_layers=8, rms_norm_eps=1e-6, max_position_embeddings=32768,
+        num_attention_heads=4, head_dim=64, qk_rope_head_dim=16, q_lora_rank=64, o_groups=2, o_lora_rank=64,
+        sliding_window=128, rope_scaling_original_max_position_embeddings=2048,
+        compress_ratios=(0, 2, 2, 2, 1, 1, 1, 1), kv_source_layer_ids=(1, 4), index_source_layer_ids=(1, 4, 6),
+        candidate_source_layer_id=4, candidate_topk_blocks=16, candidate_block_size=8,
+        index_n_heads=4, index_head_dim=32, index_topk=32,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=128,
+        hc_mult=4, hc_sinkhorn_iters=20, engram_layer_ids=(), engram_num_embeddings=(),
+        num_nextn_predict_layers=0, dspark_target_layer_ids=(), vision_num_hidden_layers=0, image_token_id=8191,
         dtype="float32"),
 }

@@ -546,15 +546,21 @@ class DeepseekV41ForCausalLM(nn.Module):
         return self.decoder_stage(out.stream, out.pre, positions, out.selection, out.pool,
                                   V41Cache(windows, {E: stores[E]}, start), last_only)
 
-    @torch.no_grad()
-    def forward(self, input_ids: Tensor, chunk_size: int = 256) -> Tensor:
-        """Logits (B, T, V) of the whole sequence, `chunk_size` queries at a time (the oracle)."""
+    def hidden(self, input_ids: Tensor, chunk_size: int = 256) -> Tensor:
+        """Final hidden states (B, T, C) of the whole sequence on fresh state, `chunk_size` queries at a time.
+        Differentiable (training runs it with autograd on); `forward` is this without gradients. Parameters that
+        only choose (the indexer, which picks entries by top-k, and the gate's selection bias) get no gradient."""
         windows, stores = self.new_windows(range(self.config.num_hidden_layers)), self.new_stores()
         hidden = []
         for start in range(0, input_ids.shape[1], chunk_size):
             out = self.run_shared(input_ids[:, start: start + chunk_size], start, windows, stores)
             hidden.append(self.run_decoder(out, start, windows, stores))
-        return self.logits(torch.cat(hidden, dim=1))
+        return torch.cat(hidden, dim=1)
+
+    @torch.no_grad()
+    def forward(self, input_ids: Tensor, chunk_size: int = 256) -> Tensor:
+        """Logits (B, T, V) of the whole sequence, `chunk_size` queries at a time (the oracle)."""
+        return self.logits(self.hidden(input_ids, chunk_size))
 
 
 def _positions(start: int, length: int, device) -> Tensor:

@@ -38,6 +38,9 @@ def add_serve(commands, **options) -> None:
     parser.add_argument("--grpc-port", type=int, default=8001, help="gRPC (default %(default)s)")
     parser.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics (default %(default)s)")
     parser.add_argument("--model-repository", default=str(ROOT / "model_repository"))
+    parser.add_argument("--demo", help="the demo to serve: a folder built by `mol2 build demo` or published in models/ "
+                                       "(e.g. models/demo-v41, the DeepSeek-V4.1-layout demo), or its model/ folder; "
+                                       "default: the demo every command uses (artifacts/demo, else models/demo)")
     parser.add_argument("--log", default=str(ROOT / "artifacts/logs/tritonserver.log"), help="server log file")
     parser.add_argument("--role", choices=ROLES, default="all",
                         help="all: one server does everything (default). Disaggregated: 'decode' serves only the "

@@ -26,11 +26,12 @@ from .roles import PAIR_SECRET, build_prefill_repository, decode_models, single_
 from .supervisor import Peer, Supervisor, free_loopback_port
 
 
-def prepare_demo() -> Path:
-    """The served model: the demo every command uses (ced/demo.py), the one the Triton models find too."""
+def prepare_demo(folder: str | None = None) -> Path:
+    """The served model: `--demo FOLDER` (a demo folder or its model/), else the demo every command uses
+    (ced/demo.py), the one the Triton models find too."""
     from ced.demo import resolve_demo
 
-    demo = resolve_demo()  # the untrained one is built here, once, before the model processes start
+    demo = resolve_demo(folder)  # the untrained one is built here, once, before the model processes start
     print(demo.describe())
     model_dir = demo.model_dir
     if not (model_dir.parent / "adapter_set.json").is_file():
@@ -65,7 +66,13 @@ def role_repository(args: argparse.Namespace) -> tuple[Path, list[str]]:
 
 
 def engine_settings(args: argparse.Namespace, model_dir: Path) -> dict[str, str]:
-    """MOL2_ENGINE / MOL2_ENGINE_DIR for the server's models; an engine is built or checked once, here."""
+    """MOL2_ENGINE / MOL2_ENGINE_DIR (and MOL2_MODEL_DIR, with --demo) for the server's models; an engine is built or
+    checked once, here."""
+    from ced.families import family_of
+
+    if args.engine != "torch" and family_of(model_dir).name != "ced":
+        raise SystemExit(f"mol2 serve: --engine {args.engine} runs the ced family only (its export covers those "
+                         f"stages); {model_dir} is a {family_of(model_dir).name} model: serve it with --engine torch")
     engine_dir = args.engine_dir
     if args.engine == "onnxruntime" and not engine_dir:
         from ced.engines import ensure_onnx_engine
@@ -80,7 +87,8 @@ def engine_settings(args: argparse.Namespace, model_dir: Path) -> dict[str, str]
             raise SystemExit(f"mol2 serve: {error}") from None
         if not engine_dir:
             raise SystemExit("--engine tensorrt needs --engine-dir (python -m engine_build tensorrt ...)")
-    return {"MOL2_ENGINE": args.engine, "MOL2_ENGINE_DIR": engine_dir or ""}
+    chosen = {"MOL2_MODEL_DIR": str(model_dir.resolve())} if args.demo else {}
+    return {"MOL2_ENGINE": args.engine, "MOL2_ENGINE_DIR": engine_dir or "", **chosen}
 
 
 def secret_settings(args: argparse.Namespace) -> dict[str, str]:
@@ -162,10 +170,12 @@ def serve(args: argparse.Namespace) -> None:
     if args.openai_port and args.role == "all" and port_in_use(public.host, args.openai_port):
         raise SystemExit(f"mol2 serve: port {args.openai_port} on {public.host} already in use: choose another "
                          "--openai-port (0: no OpenAI API)")
-    model_dir = prepare_demo()
+    model_dir = prepare_demo(args.demo)
     Path(args.log).parent.mkdir(parents=True, exist_ok=True)
     repository, extra_args = role_repository(args)
     env = {**engine_settings(args, model_dir), **secret_settings(args), **limit_env}
+    if "MOL2_MODEL_DIR" in env:  # the OpenAI front end, in this process, resolves the model as the engine does
+        os.environ["MOL2_MODEL_DIR"] = env["MOL2_MODEL_DIR"]
     print(f"serving {model_dir} (adapters: {model_dir.parent / 'adapter_set.json'}); role {args.role}; engine "
           f"{args.engine}; store {env['MOL2_STORE_DIR']}; log: {args.log}")
     # tritonserver listens on loopback ports of its own, behind the guards (HTTP: guard.py, gRPC: grpc_guard.py); its
