@@ -29,6 +29,9 @@ class StateError(RuntimeError):
     """An engine call that does not fit the conversation's state (e.g. decoding with stale windows)."""
 
 
+MAX_TOP_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's bound)
+
+
 @dataclass
 class SamplingParams:
     """How the next token is chosen. The penalties and filters mean what vLLM's (and OpenAI's) fields of the same
@@ -44,6 +47,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
     min_tokens: int = 0  # no stop token before this many tokens
     stop_token_ids: tuple[int, ...] = ()  # stop after any of these, as after the tokenizer's own stop tokens
+    # structured output: a grammar the answer must follow, as python_backend/core/structured.py's GrammarSpec JSON
+    # (the server masks each step's logits with it; this engine's own `generate` refuses it)
+    grammar: str | None = None
+    logprobs: int | None = None  # each token's log-probability and this many likeliest alternatives; None: off
 
     def __post_init__(self):
         # each refusal names its field and the value as the engine got it (NaN fails every comparison)
@@ -64,6 +71,9 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens!r}")
         if any(token < 0 for token in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids (>= 0), got {list(self.stop_token_ids)!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS} (the alternatives per token), "
+                             f"got {self.logprobs!r}")
 
     @property
     def shapes_logits(self) -> bool:
@@ -211,6 +221,9 @@ class CEDEngine:
                  sampling: SamplingParams | None = None, stop_tokens: Iterable[int] = ()) -> Iterator[int]:
         """Sample from `logits`, append, repeat; each yielded token is already part of the state."""
         sampling = sampling or SamplingParams()
+        if sampling.grammar is not None or sampling.logprobs is not None:
+            raise ValueError("structured output and logprobs are served by the torch engine's scheduler only "
+                             "(mol2 serve --engine torch)")
         stop, generated = set(stop_tokens) | set(sampling.stop_token_ids), []
         generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         for _ in range(max_tokens):
@@ -274,6 +287,15 @@ def shaped_logits(logits: Tensor, sampling: SamplingParams, context: Sequence[in
     return logits
 
 
+@dataclass
+class TokenLogprobs:
+    """A sampled token's log-probability and the likeliest alternatives, under the distribution it was drawn from."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability), likeliest first
+
+
 def sample(logits: Tensor, sampling: SamplingParams, generator: torch.Generator | None = None,
            context: Sequence[int] = (), generated: Sequence[int] = (), stop_ids: Collection[int] = ()) -> int:
     """The next token: greedy at temperature 0, else drawn after top-k, top-p and min-p. With penalties or
@@ -282,6 +304,30 @@ def sample(logits: Tensor, sampling: SamplingParams, generator: torch.Generator 
         logits = shaped_logits(logits, sampling, context, generated, stop_ids)
     if sampling.temperature == 0:
         return int(logits.argmax())
+    return int(torch.multinomial(_filtered(logits, sampling), 1, generator=generator))
+
+
+def sample_with_logprobs(logits: Tensor, sampling: SamplingParams, top: int,
+                         generator: torch.Generator | None = None, context: Sequence[int] = (),
+                         generated: Sequence[int] = (), stop_ids: Collection[int] = ()) -> tuple[int, TokenLogprobs]:
+    """`sample`'s token (the same draw from the same generator) and its TokenLogprobs with `top` alternatives, read
+    from the distribution it was drawn from: after the penalties, the temperature and the filters (a filtered token's
+    log-probability is -inf). Greedy (temperature 0) draws nothing: its distribution is the shaped logits' softmax."""
+    if sampling.shapes_logits:
+        logits = shaped_logits(logits, sampling, context, generated, stop_ids)
+    if sampling.temperature == 0:
+        logprobs = logits.float().log_softmax(-1)
+        token = int(logits.argmax())
+    else:
+        probs = _filtered(logits, sampling)
+        token = int(torch.multinomial(probs, 1, generator=generator))
+        logprobs = probs.log()
+    values, ids = logprobs.topk(min(top, logprobs.numel()))
+    return token, TokenLogprobs(token, float(logprobs[token]), list(zip(ids.tolist(), values.tolist())))
+
+
+def _filtered(logits: Tensor, sampling: SamplingParams) -> Tensor:
+    """The probabilities a token is drawn from at `sampling.temperature` (> 0), after min-p, top-k and top-p."""
     logits = logits.float()
     probs = ((logits - logits.max()) / sampling.temperature).softmax(-1)  # shifted: a tiny temperature stays finite
     if sampling.min_p:
@@ -293,4 +339,4 @@ def sample(logits: Tensor, sampling: SamplingParams, generator: torch.Generator 
         sorted_probs, order = probs.sort(descending=True)
         outside = sorted_probs.cumsum(-1) - sorted_probs > sampling.top_p * sorted_probs.sum()
         probs = probs.scatter(0, order, sorted_probs.masked_fill(outside, 0))
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+    return probs / probs.sum()

@@ -43,7 +43,8 @@ def as_scalar(value, name: str, kind: type, default):
 
 
 def generation(get, stop_token_ids=None):
-    """`max_tokens` (1..MAX_NEW_TOKENS, default 64) and the sampling settings (greedy by default) of a request,
+    """`max_tokens` (1..MAX_NEW_TOKENS, default 64) and the sampling settings (greedy by default; a grammar and
+    logprobs when asked: `structured_output`, `logprobs`) of a request,
     read through `get(name, kind, default)` (and `stop_token_ids`, the input's array, if sent): the one place both
     are parsed, whichever model receives the turn. Out of range: a RequestError naming the field."""
     from ced.engine import SamplingParams  # here: the models that import this module without generating have no torch
@@ -59,6 +60,21 @@ def generation(get, stop_token_ids=None):
             repetition_penalty=get("repetition_penalty", float, 1.0),
             presence_penalty=get("presence_penalty", float, 0.0),
             frequency_penalty=get("frequency_penalty", float, 0.0), min_tokens=get("min_tokens", int, 0),
-            stop_token_ids=stops)
+            stop_token_ids=stops, grammar=_grammar(get("structured_output", _utf8, None)),
+            logprobs=get("logprobs", int, None))
     except ValueError as error:
         raise RequestError(str(error)) from None
+
+
+def _utf8(item) -> str:
+    return item.decode("utf-8") if isinstance(item, bytes) else str(item)
+
+
+def _grammar(text: str | None) -> str | None:
+    """`structured_output` checked here, where the request arrives: a malformed schema or regex is the client's 400,
+    never a failure in the middle of a batched step."""
+    if text is None:
+        return None
+    from .structured import GrammarSpec
+
+    return GrammarSpec.from_json(text).to_json()

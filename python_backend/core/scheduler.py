@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from ced.batched import BatchedEngine
-from ced.engine import SamplingParams, sample
+from ced.engine import SamplingParams, TokenLogprobs, sample, sample_with_logprobs
 from ced.paged import Resident
 from ced.prefix_cache import CachedPrefix, PrefixCache
 from ced.state import ConversationState
@@ -51,6 +51,7 @@ from .inputs import RequestError
 from .limits import check_context
 from .routing import RouteDecision
 from .store import ConversationStore
+from .structured import Grammars, RowGrammar
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,8 @@ class Turn:
     pooled: Tensor | None = None  # what the router was given
     finish_reason: str = ""  # "stop" (a stop token) or "length"
     final_state: ConversationState | None = None  # a handed turn's end state, when it returns it
+    grammar: RowGrammar | None = None  # structured output: this row's matcher (from sampling.grammar, at its 1st token)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # per generated token, when sampling.logprobs asks
 
     @property
     def stateless(self) -> bool:
@@ -140,6 +143,7 @@ class Scheduler:
         self.engine, self.store, self.tokenizer = engine, store, tokenizer
         self.publish = publish
         self.prefix = PrefixCache(engine, prefix_cache_bytes)
+        self._grammars: Grammars | None = None  # built at the first turn with a grammar (xgrammar loads in seconds)
         self.engine_adapter, self.refresh = engine_adapter, refresh
         self.token_budget, self.max_resident, self.prefill_chunk = token_budget, max_resident, prefill_chunk
         self.stats = SchedulerStats()
@@ -434,22 +438,42 @@ class Scheduler:
             turn.finish_reason = "length"
             self._finish(turn)
             return
-        stops = turn.sampling.stop_token_ids
-        if turn.sampling.shapes_logits:  # penalties or min_tokens: they read the conversation's tokens
-            eos = () if turn.ignore_eos else self.tokenizer.stop_ids
-            token = sample(logits, turn.sampling, turn.generator, turn.row.tokens, turn.generated,
-                           set(eos) | set(stops))
-        else:
-            token = sample(logits, turn.sampling, turn.generator)
+        stops, sampling = turn.sampling.stop_token_ids, turn.sampling
+        try:
+            if sampling.grammar is not None:  # a copy of the logits, what the grammar forbids at -inf
+                turn.grammar = turn.grammar or self.grammars.matcher(sampling.grammar)
+                left = min(turn.max_tokens - len(turn.generated), self.engine.config.max_context - turn.row.length)
+                logits = turn.grammar.mask(logits, left)
+            history = ()
+            if sampling.shapes_logits:  # penalties or min_tokens: they read the conversation's tokens
+                eos = () if turn.ignore_eos else self.tokenizer.stop_ids
+                history = (turn.row.tokens, turn.generated, set(eos) | set(stops))
+            if sampling.logprobs is None:
+                token = sample(logits, sampling, turn.generator, *history)
+            else:
+                token, logprobs = sample_with_logprobs(logits, sampling, sampling.logprobs, turn.generator, *history)
+                turn.logprobs.append(logprobs)
+            if turn.grammar is not None:
+                turn.grammar.accept(token)
+        except Exception as error:  # noqa: BLE001 - this row's grammar failed: the turn fails, the batch goes on
+            self._fail(turn, error)
+            return
         turn.generated.append(token)
         turn.next_token = token
         stop = token in stops or token in self.tokenizer.stop_ids and not turn.ignore_eos
+        stop = stop or turn.grammar is not None and turn.grammar.done  # complete: nothing but a stop token could follow
         turn.last = stop or len(turn.generated) >= turn.max_tokens
         if turn.last:
             turn.finish_reason = "stop" if stop else "length"
             if (turn.stateless or turn.end_conversation) and turn.handed is None:
                 self.answering.append(turn)
         turn.sink.token(token, turn)
+
+    @property
+    def grammars(self) -> Grammars:
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.engine.config.vocab_size)
+        return self._grammars
 
     # -- the end of a turn ---------------------------------------------------------------------------------------------
 

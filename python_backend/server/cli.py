@@ -16,6 +16,13 @@ ROOT = Path(__file__).resolve().parents[2]
 ENGINE_KINDS = ("torch", "onnxruntime", "tensorrt")
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _serve(args: argparse.Namespace) -> None:
     from .serve_cli import serve
 
@@ -81,6 +88,11 @@ def add_serve(commands, **options) -> None:
     parser.add_argument("--openai-port", type=int, default=9000,
                         help="port of the OpenAI-compatible API (/v1/chat/completions, /v1/models, ...) on --host, "
                              "started once tritonserver is ready (default 9000; 0: off; --role all only)")
+    parser.add_argument("--max-n", type=_at_least_one, default=8,
+                        help="most choices (n) one OpenAI chat or completions request may ask for (default 8)")
+    parser.add_argument("--max-stored-responses", type=_at_least_one, default=1024,
+                        help="responses the OpenAI port keeps for previous_response_id and GET /v1/responses/{id}, "
+                             "in memory; past it the oldest are dropped (default 1024)")
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
                         help="a key clients must send as 'Authorization: Bearer KEY' on the OpenAI port and the HTTP "
                              "port (repeat for several; also --api-key-file, MOL2_API_KEY); health probes stay open. "

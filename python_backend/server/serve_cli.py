@@ -221,7 +221,8 @@ def start_openai(args: argparse.Namespace, public: Ports, grpc: str):
     settings = OpenAISettings(grpc, adapters_root=Path(args.adapters_root) if args.adapters_root else None,
                               max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
                               max_json_depth=args.max_json_depth, max_unsent_bytes=args.max_unsent_bytes,
-                              api_keys=args.keys, allowed_origins=args.origins)
+                              api_keys=args.keys, allowed_origins=args.origins, max_n=args.max_n,
+                              max_stored_responses=args.max_stored_responses)
     try:
         front = OpenAIServer(settings, public.host, args.openai_port).start()
     except RuntimeError as error:

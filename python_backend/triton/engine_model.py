@@ -11,6 +11,7 @@ turns (nothing of them stored: the journal holds each conversation's last good t
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import queue
 import shutil
@@ -148,22 +149,23 @@ class EngineModel:
 
     def _handle(self, event: tuple) -> None:
         kind = event[0]
-        if kind == "token":
-            _, request_id, token, outputs = event
+        if kind == "token":  # its logprobs, when the request asked, trail it
+            _, request_id, token, outputs, *logprobs = event
             pending = self.pending[request_id]
             if outputs is not None:
                 pending.outputs = self._encode(outputs)
             pending.ids.append(token)
-            self._send(pending, window(pending.ids, 1), 1, False, "")
+            self._send(pending, window(pending.ids, 1), 1, False, "", logprobs=logprobs[0] if logprobs else None)
         elif kind == "final":
-            _, request_id, ids, count, finish_reason, outputs = event
+            _, request_id, ids, count, finish_reason, outputs, *logprobs = event
             pending = self.pending.pop(request_id)  # forgotten first: no cancellation check follows its last response
             if pending.outputs is None:
                 pending.outputs = self._encode(outputs)
             if ids is None:  # streamed: the last response adds no ids, it flushes a character left unfinished
                 self._send(pending, window(pending.ids, 0), 0, True, finish_reason, self.final, count)
             else:
-                self._send(pending, ids, len(ids), True, finish_reason, self.final, count)
+                self._send(pending, ids, len(ids), True, finish_reason, self.final, count,
+                           logprobs[0] if logprobs else None)
         elif kind == "error":
             _, request_id, message, code = event
             pending = self.pending.pop(request_id)
@@ -176,8 +178,9 @@ class EngineModel:
             self.counters.add(name, adapter, value)
 
     def _send(self, pending: Pending, ids: list[int], fresh: int, last: bool, finish_reason: str, flags: int = 0,
-              count: int | None = None) -> None:
-        """Only the outputs the request asked for are built (see triton_io.response)."""
+              count: int | None = None, logprobs: list | None = None) -> None:
+        """Only the outputs the request asked for are built (see triton_io.response). `logprobs`: the new tokens'
+        [id, logprob, [[id, logprob], ...]] each, sent as JSON when the request asked for them."""
         wanted, pb = pending.wanted, self.pb
         outputs = {name: array for name, array in pending.outputs.items() if name in wanted}
         if "output_tokens" in wanted:
@@ -186,6 +189,8 @@ class EngineModel:
             outputs["finish_reason"] = _text(finish_reason)
         if "text_output" in wanted:
             outputs["text_output"] = _text(text_delta(self.decode, ids, fresh, last))
+        if logprobs and "logprobs" in wanted:
+            outputs["logprobs"] = _text(json.dumps(logprobs))
         pending.sender.send(pb.InferenceResponse([pb.Tensor(name, array) for name, array in outputs.items()]),
                             flags=flags)
 

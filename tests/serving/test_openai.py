@@ -157,13 +157,13 @@ def test_concurrent_requests_are_in_flight_together(client):
 
 # -- errors ------------------------------------------------------------------------------------------------------
 
-def test_unknown_model_is_a_404_and_n_above_one_a_400(client):
+def test_unknown_model_is_a_404_and_n_above_max_n_a_400(client):
     with pytest.raises(openai.NotFoundError) as missing:
         chat(client, "no-such-adapter")
     assert missing.value.code == "model_not_found" and missing.value.param == "model"
     with pytest.raises(openai.BadRequestError) as several:
-        chat(client, n=2)
-    assert several.value.param == "n" and "n=1" in several.value.message
+        chat(client, n=9)  # max_n: 8 by default (n > 1: test_openai_responses.py)
+    assert several.value.param == "n" and "at most 8" in several.value.message
 
 
 @pytest.mark.parametrize("body, param", [
@@ -174,14 +174,15 @@ def test_unknown_model_is_a_404_and_n_above_one_a_400(client):
     ({"model": "chat", "messages": "hello"}, "messages"),
     ({"model": "chat", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"model": "chat", "messages": [{"role": "assistant", "content": "hi"}]}, "messages"),
-    ({"model": "chat", "messages": HELLO, "tools": [{"type": "function"}]}, "tools"),
+    ({"model": "chat", "messages": HELLO, "tools": [{"type": "function"}]}, "tools[0].function"),
     ({"messages": HELLO}, "model"),
     ({"model": "chat", "messages": HELLO, "presence_penalty": 2.5}, "presence_penalty"),
     ({"model": "chat", "messages": HELLO, "repetition_penalty": 0}, "repetition_penalty"),
     ({"model": "chat", "messages": HELLO, "min_p": 1.5}, "min_p"),
     ({"model": "chat", "messages": HELLO, "stop_token_ids": [-1]}, "stop_token_ids"),
-    ({"model": "chat", "messages": HELLO, "guided_json": {"type": "object"}}, "guided_json"),
-    ({"model": "chat", "messages": HELLO, "structured_outputs": {"choice": ["a"]}}, "structured_outputs"),
+    ({"model": "chat", "messages": HELLO, "guided_json": {"type": "objec"}}, "guided_json"),
+    ({"model": "chat", "messages": HELLO, "structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"model": "chat", "messages": HELLO, "logit_bias": {"5": 1}}, "logit_bias"),
 ])
 def test_bad_fields_get_an_openai_error_naming_them(front, body, param):
     status, text = post(front.url, "/v1/chat/completions", body)

@@ -1,6 +1,7 @@
 """OpenAI-compatible endpoints in front of the Triton `engine` model (`mol2 serve --openai-port`).
 
-    POST /v1/chat/completions, POST /v1/completions   (server-sent events with "stream": true)
+    POST /v1/chat/completions, POST /v1/completions   (server-sent events with "stream": true; n choices)
+    POST /v1/responses, GET / DELETE /v1/responses/{id} (OpenAI's Responses API; a chain is an engine conversation)
     GET  /v1/models                                     (mol2, auto, and each adapter of the set, parent "mol2")
     POST /v1/load_lora_adapter, /v1/unload_lora_adapter (the adapter-set file, confined to an adapters root)
     GET  /metrics                                       (Prometheus text: per-adapter counters, vLLM's names)

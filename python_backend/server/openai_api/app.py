@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI's chat / completions / models endpoints, vLLM's adapter management, /tokenize,
+"""The FastAPI app: OpenAI's chat / completions / responses / models endpoints, vLLM's adapter management, /tokenize,
 /detokenize and /version, Prometheus metrics; the keys, CORS and the access log (middleware.py) around them.
 
 Bodies are read raw and validated by the models of schema.py, so every client mistake (malformed JSON, a field of
@@ -38,13 +38,20 @@ from ..guard import GuardLimits
 from ..keys import ApiKeys
 from . import openapi
 from .adapters import AdapterManager
+from .choices import DEFAULT_MAX_N, Choices, chat_answer, check_n, completion_answer
 from .engine_client import EngineClient, EngineRequest
 from .generation import Generation
+from .guided import grammar_of
 from .metrics import SERVED, Metrics
 from .middleware import CLIENT_GONE, OPEN_PATHS, AccessLog, RequireKey, Unexpected
+from .response_store import ResponseStore
+from .responses import ResponsesAPI
+from .responses_schema import ResponseRequest
 from .schema import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadAdapterRequest,
                      TokenizeRequest, UnloadAdapterRequest, parse_body)
 from .streaming import EventStream, sse
+from .token_logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from .tools import ToolDeltas, ToolUse
 
 AUTO = "auto"  # routed by MoL2 inside the engine
 log = logging.getLogger("mol2.openai")
@@ -71,6 +78,8 @@ class OpenAISettings:
     send_buffer_bytes: int | None = 64 << 10
     api_keys: ApiKeys = ApiKeys()  # a request must carry one (Authorization: Bearer KEY); none: every request passes
     allowed_origins: tuple[str, ...] = ()  # CORS: origins whose pages may call this API ("*": any); none: no CORS
+    max_n: int = DEFAULT_MAX_N  # choices one chat / completions request may ask for (`n`); more: 400
+    max_stored_responses: int = 1024  # responses kept for previous_response_id and GET; the oldest dropped first
 
 
 def resolve_model(name: str, manager: AdapterManager) -> str | None:
@@ -182,6 +191,7 @@ def create_app(settings: OpenAISettings) -> FastAPI:
             limits = served.limits if settings.max_prompt_tokens is None else \
                 dataclasses.replace(served.limits, max_prompt_tokens=settings.max_prompt_tokens)
             app.state.tokenizer = ChatTokenizer(app.state.model_dir)
+            app.state.token_texts = TokenTexts(app.state.tokenizer, app.state.adapters.vocab_size)  # for logprobs
             app.state.prompt_bound = PromptBound(limits, app.state.tokenizer.max_token_bytes)
             # the limit that holds for prompt + answer: a prompt over max_prompt_tokens is refused, and a
             # conversation stops at the model's max_context (so any prompt + max_tokens within the lesser is served)
@@ -201,6 +211,8 @@ def create_app(settings: OpenAISettings) -> FastAPI:
     app = FastAPI(title="mol2 OpenAI-compatible API", version=model_version(), lifespan=lifespan, docs_url=None,
                   redoc_url=None)
     app.state.metrics = None  # until the app starts
+    app.state.responses = responses = ResponsesAPI(app.state, ResponseStore(settings.max_stored_responses),
+                                                   settings.max_unsent_bytes, unless_client_leaves)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):
@@ -220,8 +232,9 @@ def create_app(settings: OpenAISettings) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException):
         message = (f"no route {request.method} {request.url.path} (see GET /v1/models; the endpoints are "
-                   "/v1/chat/completions, /v1/completions, /v1/models, /v1/models/{id}, /v1/load_lora_adapter, "
-                   "/v1/unload_lora_adapter, /tokenize, /detokenize, /version, /metrics, /health)") \
+                   "/v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /v1/models/{id}, "
+                   "/v1/load_lora_adapter, /v1/unload_lora_adapter, /tokenize, /detokenize, /version, /metrics, "
+                   "/health)") \
             if error.status_code in (404, 405) else str(error.detail)
         return JSONResponse(APIError(error.status_code, message, code="not_found").body(),
                             status_code=error.status_code)
@@ -250,6 +263,14 @@ def create_app(settings: OpenAISettings) -> FastAPI:
             return build(await unless_client_leaves(request, generation.text()))
         return EventStream(_guarded(build()), generation.request_id, settings.max_unsent_bytes)
 
+    async def several(request: Request, body, engine_request: EngineRequest, kind: str, build):
+        """n > 1 choices of one prompt (choices.py), answered as `answer` answers one."""
+        check_n(body.n, settings.max_n)
+        choices = Choices(app.state.engine, app.state.metrics, engine_request, body.stops, body.model, body.n)
+        choices.request_id = f"{kind}-{uuid.uuid4().hex}"
+        return await answer(request, choices, body.stream, build(choices, choices.request_id, int(time.time()),
+                                                                 body.include_usage, body.stream))
+
     # -- generation -----------------------------------------------------------------------------------------------
 
     @app.post("/v1/chat/completions", openapi_extra=openapi.request_body(ChatCompletionRequest),
@@ -258,31 +279,48 @@ def create_app(settings: OpenAISettings) -> FastAPI:
         body = await parsed(request, ChatCompletionRequest)
         app.state.prompt_bound.check("messages", [message.text() for message in body.messages])
         adapter = resolve_model(body.model, app.state.adapters)
-        generation = Generation(app.state.engine, app.state.metrics,
-                                _engine_request(body, adapter, messages=body.engine_messages()), body.stops, body.model)
+        tools = ToolUse(body)  # tools.py: the prompt's tools, a forced call's grammar, the answer's calls
+        grammar = grammar_of(body, tools.grammar())
+        engine_request = _engine_request(body, adapter, messages=tools.messages(body.engine_messages()),
+                                         structured_output=grammar.to_json() if grammar else None,
+                                         logprobs=body.engine_logprobs)
+        if body.n > 1:
+            _one_choice_for(body, tools.active or body.logprobs, "tools or logprobs")
+            return await several(request, body, engine_request, "chatcmpl", chat_answer)
+        generation = Generation(app.state.engine, app.state.metrics, engine_request, body.stops, body.model)
         answer_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         generation.request_id = answer_id
 
+        def logprobs(entries: list) -> dict | None:
+            return chat_logprobs(entries, app.state.token_texts, body.top_logprobs or 0) if body.logprobs else None
+
         def whole(text: str) -> dict:
+            content, calls = tools.split(text)
+            message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
             return {"id": answer_id, "object": "chat.completion", "created": created, "model": generation.model,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                                 "finish_reason": generation.finish_reason}],
+                    "choices": [{"index": 0, "message": message, "logprobs": logprobs(generation.logprobs),
+                                 "finish_reason": "tool_calls" if calls else generation.finish_reason}],
                     "usage": generation.usage(), "system_fingerprint": None}
 
         def chunk(delta: dict, finish_reason: str | None = None) -> str:
             payload = {"id": answer_id, "object": "chat.completion.chunk", "created": created,
                        "model": generation.model,
-                       "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+                       "choices": [{"index": 0, "delta": delta, "logprobs": logprobs(generation.new_logprobs()),
+                                    "finish_reason": finish_reason}]}
             if body.include_usage:
                 payload["usage"] = None
             return sse(payload)
 
         async def events():
             yield chunk({"role": "assistant", "content": ""})
+            deltas = ToolDeltas(tools)  # content deltas, and each complete call as a tool_calls delta
             async with contextlib.aclosing(generation.pieces()) as pieces:  # closed with the stream: cancels
                 async for piece in pieces:
-                    yield chunk({"content": piece})
-            yield chunk({}, generation.finish_reason)
+                    for delta in deltas.feed(piece):
+                        yield chunk(delta)
+            for delta in deltas.flush():
+                yield chunk(delta)
+            yield chunk({}, "tool_calls" if deltas.called else generation.finish_reason)
             if body.include_usage:
                 yield sse({"id": answer_id, "object": "chat.completion.chunk", "created": created,
                            "model": generation.model, "choices": [], "usage": generation.usage()})
@@ -295,18 +333,34 @@ def create_app(settings: OpenAISettings) -> FastAPI:
         body = await parsed(request, CompletionRequest)
         app.state.prompt_bound.check("prompt", [body.prompt])
         adapter = resolve_model(body.model, app.state.adapters)
-        generation = Generation(app.state.engine, app.state.metrics,
-                                _engine_request(body, adapter, prompt=body.prompt), body.stops, body.model)
+        grammar = grammar_of(body)
+        engine_request = _engine_request(body, adapter, prompt=body.prompt,
+                                         structured_output=grammar.to_json() if grammar else None,
+                                         logprobs=body.engine_logprobs)
+        if body.n > 1:
+            _one_choice_for(body, body.logprobs is not None, "logprobs")
+            return await several(request, body, engine_request, "cmpl", completion_answer)
+        generation = Generation(app.state.engine, app.state.metrics, engine_request, body.stops, body.model)
         answer_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         generation.request_id = answer_id
+        offset = 0  # where a streamed chunk's tokens start in the answer's text
 
-        def choice(text: str, finish_reason: str | None) -> dict:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        def logprobs(entries: list) -> dict | None:
+            nonlocal offset
+            if body.logprobs is None:
+                return None
+            shaped = completion_logprobs(entries, app.state.token_texts, body.logprobs, offset)
+            offset += sum(len(token) for token in shaped["tokens"])
+            return shaped
+
+        def choice(text: str, finish_reason: str | None, entries: list | None = None) -> dict:
+            entries = generation.new_logprobs() if entries is None else entries
+            return {"index": 0, "text": text, "logprobs": logprobs(entries), "finish_reason": finish_reason}
 
         def whole(text: str) -> dict:
             return {"id": answer_id, "object": "text_completion", "created": created, "model": generation.model,
-                    "choices": [choice(text, generation.finish_reason)], "usage": generation.usage(),
-                    "system_fingerprint": None}
+                    "choices": [choice(text, generation.finish_reason, generation.logprobs)],
+                    "usage": generation.usage(), "system_fingerprint": None}
 
         def chunk(choices: list, usage: dict | None = None) -> str:
             payload = {"id": answer_id, "object": "text_completion", "created": created, "model": generation.model,
@@ -324,6 +378,24 @@ def create_app(settings: OpenAISettings) -> FastAPI:
                 yield chunk([], generation.usage())
 
         return await answer(request, generation, body.stream, events if body.stream else whole)
+
+    # -- responses (responses.py) ----------------------------------------------------------------------------------
+
+    @app.post("/v1/responses", openapi_extra=openapi.request_body(ResponseRequest),
+              responses=openapi.errors(400, *keyed, 404, 413, 500, 503, 507))
+    async def create_response(request: Request):
+        body = await parsed(request, ResponseRequest)
+        app.state.prompt_bound.check("input", [m["content"] for m in body.input_messages()] +
+                                     [body.instructions or ""])
+        return await responses.create(request, body, resolve_model(body.model, app.state.adapters))
+
+    @app.get("/v1/responses/{response_id}", responses=openapi.errors(*keyed, 404))
+    async def get_response(response_id: str):
+        return responses.get(response_id)
+
+    @app.delete("/v1/responses/{response_id}", responses=openapi.errors(*keyed, 404))
+    async def delete_response(response_id: str):
+        return responses.delete(response_id)
 
     # -- models and adapters --------------------------------------------------------------------------------------
 
@@ -415,9 +487,16 @@ def create_app(settings: OpenAISettings) -> FastAPI:
     async def health():
         return Response(status_code=200)
 
-    openapi.install(app, [ChatCompletionRequest, CompletionRequest, LoadAdapterRequest, UnloadAdapterRequest,
-                          TokenizeRequest, DetokenizeRequest], bearer=bool(settings.api_keys), open_paths=OPEN_PATHS)
+    openapi.install(app, [ChatCompletionRequest, CompletionRequest, ResponseRequest, LoadAdapterRequest,
+                          UnloadAdapterRequest, TokenizeRequest, DetokenizeRequest], bearer=bool(settings.api_keys),
+                    open_paths=OPEN_PATHS)
     return app
+
+
+def _one_choice_for(body, asked: bool, what: str) -> None:
+    """n > 1 answers are built by choices.py, which does not carry these yet: refused, not dropped."""
+    if asked:
+        raise APIError(400, f"n: n > 1 together with {what} is not supported yet", "n", "unsupported_parameter")
 
 
 async def _guarded(events):

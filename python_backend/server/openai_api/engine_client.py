@@ -34,6 +34,10 @@ class EngineRequest:
     max_tokens: int
     messages: list[dict] | None = None  # chat: the whole history, rendered by the engine's chat template
     prompt: str | None = None  # completions: raw text, no chat markers
+    # a stateful turn (the Responses API's chains): the turn's token ids, which the engine wraps in the user-turn
+    # markers, on `conversation_id` (None: the turn starts a conversation)
+    text_ids: list[int] | None = None
+    conversation_id: str | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -45,6 +49,8 @@ class EngineRequest:
     min_p: float = 0.0
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    structured_output: str | None = None  # a GrammarSpec's JSON (python_backend/core/structured.py): the answer's grammar
+    logprobs: int | None = None  # each token's logprob and this many alternatives (0..20); None: not asked
 
 
 @dataclass
@@ -58,6 +64,8 @@ class EngineDelta:
     prompt_tokens: int | None  # None: the engine does not report it
     cached_tokens: int | None
     finish_reason: str  # "stop" | "length" on the last response, "" before
+    conversation_id: str = ""  # conversation_id_out: the conversation a stateful turn was stored in
+    logprobs: list | None = None  # when asked: [token id, logprob, [[token id, logprob], ...]] per token of this response
 
 
 def engine_error(message: str) -> APIError:
@@ -123,6 +131,12 @@ class EngineClient:
         inputs = []
         if request.messages is not None:
             inputs.append(_tensor("messages", json.dumps(request.messages).encode(), "BYTES"))
+        elif request.text_ids is not None:
+            ids = grpcclient.InferInput("_text_ids", [len(request.text_ids)], "INT64")
+            ids.set_data_from_numpy(np.array(request.text_ids, dtype=np.int64))
+            inputs.append(ids)
+            if request.conversation_id is not None:
+                inputs.append(_tensor("conversation_id", request.conversation_id.encode(), "BYTES"))
         else:
             inputs.append(_tensor("prompt", request.prompt.encode(), "BYTES"))
         if request.adapter is not None:
@@ -137,6 +151,10 @@ class EngineClient:
                                         ("min_tokens", 0, "INT32")):
             if getattr(request, name) != default and name in self.inputs:  # an engine of an older repository lacks them
                 inputs.append(_tensor(name, getattr(request, name), datatype))
+        if request.structured_output is not None:
+            inputs.append(_tensor("structured_output", request.structured_output.encode(), "BYTES"))
+        if request.logprobs is not None:
+            inputs.append(_tensor("logprobs", request.logprobs, "INT32"))
         if request.stop_token_ids:
             ids = grpcclient.InferInput("stop_token_ids", [len(request.stop_token_ids)], "INT32")
             ids.set_data_from_numpy(np.array(request.stop_token_ids, dtype=np.int32))
@@ -163,12 +181,18 @@ class EngineClient:
                     replayed_tokens=int(_scalar(result, "replayed_tokens", 0)),
                     prompt_tokens=_maybe_int(_scalar(result, "prompt_tokens")),
                     cached_tokens=_maybe_int(_scalar(result, "cached_tokens")),
-                    finish_reason=_scalar(result, "finish_reason", "") or "")
+                    finish_reason=_scalar(result, "finish_reason", "") or "",
+                    conversation_id=_scalar(result, "conversation_id_out", "") or "",
+                    logprobs=_json(_scalar(result, "logprobs")))
         except (InferenceServerException, grpc.RpcError) as error:
             raise APIError(503, f"the Triton server at {self.url} failed the request: {error}",
                            code="engine_unavailable") from None
         finally:
             responses.cancel()  # a no-op once the call has ended; otherwise the engine stops this request
+
+
+def _json(value: str | None):
+    return None if not value else json.loads(value)
 
 
 def _maybe_int(value) -> int | None:

@@ -63,6 +63,9 @@ class Generation:
         self.finish_reason: str | None = None
         self.ttft_s: float | None = None  # seconds from arrival to the first token
         self.failure: int | None = None  # the status of an error that ended the answer after its first byte
+        self.logprobs: list = []  # when asked: the engine's entry per token so far (token_logprobs.py reads them)
+        self._logprobs_taken = 0
+        self.conversation_id = ""  # a stateful turn's conversation (the engine names a new one)
         self._deltas = None
         self._first = None
 
@@ -81,6 +84,7 @@ class Generation:
             self.metrics.done(key)
             raise
         self.model = model_name(self._first.adapter)
+        self.conversation_id = self._first.conversation_id
         self.ttft_s = time.perf_counter() - self.started
         self.metrics.first_token(key, self.model, self.ttft_s)
 
@@ -96,6 +100,7 @@ class Generation:
                 if delta.cached_tokens is not None:
                     self.cached_tokens = delta.cached_tokens
                 engine_reason = delta.finish_reason or engine_reason
+                self.logprobs += delta.logprobs or ()
                 text, stopped = self.matcher.feed(delta.text)
                 if text:
                     yield text
@@ -118,8 +123,19 @@ class Generation:
             await self._deltas.aclose()  # cancels the engine's request if it is still running (a stop string)
             self.metrics.done(id(self))
 
+    def new_logprobs(self) -> list:
+        """The logprob entries that came since the last call (a streamed chunk's)."""
+        entries, self._logprobs_taken = self.logprobs[self._logprobs_taken:], len(self.logprobs)
+        return entries
+
     async def text(self) -> str:
         return "".join([piece async for piece in self.pieces()])
+
+    async def close(self) -> None:
+        """Cancel a started request whose pieces will not be read (one of n choices whose sibling failed)."""
+        if self._deltas is not None:
+            await self._deltas.aclose()
+        self.metrics.done(id(self))
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,

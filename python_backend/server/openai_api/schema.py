@@ -7,11 +7,13 @@ surrogate, from invalid bytes or an unpaired \\u escape, is a 400 naming its fie
 encoded).
 Numbers must fit what the engine's inputs hold (INT32, FP32): no value is wrapped or rounded to 0 on the way.
 
-Fields OpenAI defines that this server cannot honour (tools, logprobs, n > 1, ...) are refused when set to anything
-but their no-op value, so a client never gets an answer computed without what it asked for; so are vLLM's guided
-decoding extras (`guided_json`, `structured_outputs`, ...). Fields nobody defined are ignored, as OpenAI's own server
-and vLLM do for forward compatibility. OpenAI's `presence_penalty` and `frequency_penalty` are honoured, and these
-vLLM extensions: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids` and `ignore_eos`.
+Fields OpenAI defines that this server cannot honour (logit_bias, echo, ...) are refused when set to anything
+but their no-op value, so a client never gets an answer computed without what it asked for. Fields nobody defined
+are ignored, as OpenAI's own server and vLLM do for forward compatibility. OpenAI's `presence_penalty`,
+`frequency_penalty`, `response_format`, `tools` / `tool_choice` and `logprobs` are honoured (guided.py, tools.py,
+token_logprobs.py), and these vLLM extensions: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
+`stop_token_ids`, `ignore_eos` and guided decoding (`guided_json`, `guided_regex`, `guided_choice`,
+`guided_grammar`, `structured_outputs`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ MAX_TOKENS_LIMIT = 4096  # the engine's own bound on one request's new tokens
 DEFAULT_MAX_TOKENS = 256
 MAX_STOPS = 16
 INT32_MAX = 2**31 - 1  # top_k travels as the engine's INT32 input
+MAX_TOP_LOGPROBS = 20  # the engine's bound (ced/engine.py); OpenAI's too
 FLOAT32_SMALLEST = 1.401298464324817e-45  # the smallest positive float32: below it, FP32 inputs arrive as 0
 
 
@@ -148,24 +151,98 @@ class TextPart(_Strict):
     text: str
 
 
+class CalledFunction(_Strict):
+    name: str = Field(min_length=1)
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(_Strict):
+    """A call in an assistant message of the history (as this server returned it)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None only for an assistant's message that calls tools
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls (tools.py renders them as the template does)
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+
+    @model_validator(mode="after")
+    def _has_content(self) -> "Message":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant's message with tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to an assistant's message, not to a {self.role}'s")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+    def engine_message(self) -> dict:
+        """As the engine's `messages` input takes it (OpenAI's "developer" is a system message)."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [{"name": call.function.name, "arguments": call.function.arguments}
+                                     for call in self.tool_calls]
+        return message
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments; None: any object
+    strict: bool | None = None  # the arguments follow `parameters` either way when the grammar forces a call
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict = Field(alias="schema")  # OpenAI's key (`schema` would shadow pydantic's own attribute)
+    strict: bool | None = None  # the answer follows the schema either way: the grammar enforces it
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: one of its constraints. Its other keys are refused, not ignored."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 # (field, the values that mean "not used"): set to anything else, the request is refused
 _UNSUPPORTED = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
-    "best_of": (None, 1),
-    # vLLM's guided decoding: not built yet (a grammar library's token mask in the batched step)
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "structured_outputs": (None,),
-    "echo": (None, False), "suffix": (None, ""), "response_format": (None, {"type": "text"}),
+    "functions": (None, []), "function_call": (None, "none"),  # OpenAI's deprecated form of tools
+    "logit_bias": (None, {}), "best_of": (None, 1),
+    "echo": (None, False), "suffix": (None, ""),
 }
 
 
@@ -184,11 +261,18 @@ class _Sampling(_Strict):
     min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_LIMIT)
     stop_token_ids: list[int] | None = Field(default=None, max_length=1024)
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1)  # choices: at most the server's max_n (choices.py)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension: benchmarks generate max_tokens whatever the model says
     user: str | None = None
+    # structured output (guided.py turns them into the engine's grammar; at most one of them)
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None  # vLLM's extras
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -217,13 +301,6 @@ class _Sampling(_Strict):
                              "engine's type): it would arrive as 0")
         return value
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
-
     @field_validator("stop")
     @classmethod
     def _stops(cls, stop):
@@ -246,17 +323,33 @@ class _Sampling(_Strict):
 class ChatCompletionRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)  # OpenAI's newer name
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool | None = None  # False: at most one call is returned
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("messages")
     @classmethod
     def _ends_with_user(cls, messages: list[Message]) -> list[Message]:
-        if messages[-1].role != "user":
-            raise ValueError(f"the last message must be the user's, got role {messages[-1].role!r}")
+        if messages[-1].role not in ("user", "tool"):
+            raise ValueError(f"the last message must be the user's (or a tool's result), got role "
+                             f"{messages[-1].role!r}")
         return messages
+
+    @model_validator(mode="after")
+    def _logprobs_asked(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
+        return self
 
     def engine_messages(self) -> list[dict]:
         """The history as the engine's `messages` input takes it (OpenAI's "developer" is a system message)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        return [m.engine_message() for m in self.messages]
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_limit(self) -> int:
@@ -265,6 +358,11 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # the alternatives per token
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -313,7 +411,7 @@ class TokenizeRequest(_Strict):
         return self
 
     def engine_messages(self) -> list[dict]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        return [m.engine_message() for m in self.messages]
 
 
 class DetokenizeRequest(_Strict):
