@@ -17,10 +17,17 @@ the whole prefix is prefilled again. The first three switches are on the convers
 sees it for the first time); later repeats start the prefix with a distinct first line ("Conversation N."), which
 no adapter has seen either, so every switch is a miss. bytes are null for vLLM.
 
-server_ms is client-observed on loopback (send to the complete answer), the median over the repeats. Engines are
-interleaved context by context (the order alternating); the load average is written beside each row.
+llama.cpp (`llamacpp`, benchmarks/peer_llamacpp.py; skipped with one line when scripts/install_llamacpp.sh has not
+run): llama-server's /completion is stateless too and is sent exactly what vLLM is, the adapter in the request's
+`lora` field. Its prompt cache lives in the slot that served the prefix and is cleared when the slot's adapters
+change, so a `switch` prefills the whole history again (and so may the `continue` after it, sent back to that slot).
+`prefilled_tokens` is the median of what llama-server says it evaluated (`timings.prompt_n`: the prompt less what its
+cache held); null for the others.
 
-    python -m benchmarks.turn_cost [--quick] [--json PATH] [--plot PATH] [--no-vllm]
+server_ms is client-observed on loopback (send to the complete answer), the median over the repeats. Engines are
+interleaved context by context (the order reversed every other context); the load average is written beside each row.
+
+    python -m benchmarks.turn_cost [--quick] [--json PATH] [--plot PATH] [--no-vllm] [--no-llamacpp]
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import statistics
 import time
 from pathlib import Path
 
-from . import load
+from . import load, peer_llamacpp
 from ._report import add_plot_option, markdown_table, plot_path, save_figure, write_json
 from .peer_vllm import ADAPTERS, PEER_ROOT, SKIP_MESSAGE, build_peer, running_vllm, vllm_available, vllm_name
 
@@ -43,7 +50,7 @@ SHORT_TURNS = ["ok, and then?", "Go on.", "Say more.", "Why is that?", "And afte
                "What else?", "Really?", "Explain briefly.", "One more."]
 WRITTEN, MOVED = "mol2_state_bytes_written", "mol2_state_bytes_moved"
 COLUMNS = ["engine", "context_tokens", "kind", "server_ms", "server_ms_min", "server_ms_max", "repeats",
-           "bytes_written", "bytes_moved", "prompt_tokens", "first_turn_ms", "load_avg"]
+           "bytes_written", "bytes_moved", "prompt_tokens", "prefilled_tokens", "first_turn_ms", "load_avg"]
 
 
 def prompt_tokens_for(context: int) -> int:
@@ -59,12 +66,12 @@ def _median(values):
     return statistics.median(values) if values else None
 
 
-def _row(engine, context, kind, seconds, written, moved, prompt_tokens, first_ms) -> dict:
+def _row(engine, context, kind, seconds, written, moved, prompt_tokens, first_ms, prefilled=()) -> dict:
     ms = [s * 1e3 for s in seconds]
     return {"engine": engine, "context_tokens": context, "kind": kind, "server_ms": statistics.median(ms),
             "server_ms_min": min(ms), "server_ms_max": max(ms), "repeats": len(ms),
             "bytes_written": _median(written), "bytes_moved": _median(moved), "prompt_tokens": prompt_tokens,
-            "first_turn_ms": first_ms, "load_avg": load.load_avg()}
+            "prefilled_tokens": _median(prefilled), "first_turn_ms": first_ms, "load_avg": load.load_avg()}
 
 
 class Counters:
@@ -136,6 +143,37 @@ def measure_vllm(client: load.VllmClient, tokenizer, context: int, repeats: int,
             for kind in ("continue", "switch")]
 
 
+def measure_llamacpp(client: peer_llamacpp.LlamaCppClient, tokenizer, context: int, repeats: int,
+                     switch_repeats: int) -> list[dict]:
+    """vLLM's protocol (measure_vllm) on llama-server: the same prompts, our adapters by their `lora` ids."""
+    tokens = prompt_tokens_for(context)
+
+    def prefix(lead: str = "") -> str:
+        return load.user_turn(load.text_of_tokens(tokens, tokenizer, ROOT, lead=lead))
+
+    def extension(repeat: int, kind: str) -> str:
+        return "Sure." + load.END + load.user_turn(short_text(repeat, kind), first=False)
+
+    own = prefix()
+    answer, cold_s = client.complete(own + extension(0, "warm-up"), ADAPTERS[0], 1)  # cached in a slot, under a0
+    prompt_tokens = answer.get("tokens_evaluated")
+    seconds = {"continue": [], "switch": []}
+    prefilled = {"continue": [], "switch": []}
+    for repeat in range(max(repeats, switch_repeats)):
+        turns = []
+        if repeat < repeats:
+            turns.append(("continue", own, ADAPTERS[0]))
+        if repeat < switch_repeats:
+            text = own if repeat < len(ADAPTERS) - 1 else prefix(lead=f"Conversation {repeat}.\n")
+            turns.append(("switch", text, ADAPTERS[1 + repeat % (len(ADAPTERS) - 1)]))
+        for kind, text, adapter in turns:
+            answer, elapsed = client.complete(text + extension(repeat, kind), adapter, 1)
+            seconds[kind].append(elapsed)
+            prefilled[kind].append((answer.get("timings") or {}).get("prompt_n"))
+    return [_row("llamacpp", context, kind, seconds[kind], [None], [None], prompt_tokens, cold_s * 1e3,
+                 prefilled[kind]) for kind in ("continue", "switch")]
+
+
 def _get(rows, engine, context, kind, key="server_ms"):
     row = next((r for r in rows if r["engine"] == engine and r["context_tokens"] == context and r["kind"] == kind),
                None)
@@ -165,6 +203,11 @@ def ratio_lines(rows: list[dict], contexts: tuple[int, ...]) -> list[str]:
                  f"{_fmt(_ratio(_get(rows, 'mol2', mid, 'continue'), _get(rows, 'vllm', mid, 'continue')))}")
     lines.append(f"vLLM switch / ours switch at {label(mid)}: "
                  f"{_fmt(_ratio(_get(rows, 'vllm', mid, 'switch'), _get(rows, 'mol2', mid, 'switch')))}")
+    for context in sorted({2048, mid} & set(contexts)):  # issue #36 quotes the switch on a 2K history
+        lines.append(f"llama.cpp switch / ours switch at {label(context)}: "
+                     f"{_fmt(_ratio(_get(rows, 'llamacpp', context, 'switch'), _get(rows, 'mol2', context, 'switch')))}"
+                     f" ({_fmt(_get(rows, 'llamacpp', context, 'switch'))} ms against "
+                     f"{_fmt(_get(rows, 'mol2', context, 'switch'))} ms)")
     for kind in ("continue", "switch"):
         lines.append(f"ours bytes_written ({kind}) at {label(big)} / at 512: "
                      f"{_fmt(_ratio(_get(rows, 'mol2', big, kind, 'bytes_written'), _get(rows, 'mol2', 512, kind, 'bytes_written')))}")
@@ -181,7 +224,8 @@ def plot(rows: list[dict], path: str) -> None:
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     styles = {("mol2", "continue"): ("#2a7", "-"), ("mol2", "switch"): ("#2a7", "--"),
-              ("vllm", "continue"): ("#c63", "-"), ("vllm", "switch"): ("#c63", "--")}
+              ("vllm", "continue"): ("#c63", "-"), ("vllm", "switch"): ("#c63", "--"),
+              ("llamacpp", "continue"): ("#94c", "-"), ("llamacpp", "switch"): ("#94c", "--")}
     for (engine, kind), (colour, dash) in styles.items():
         cells = sorted((r for r in rows if r["engine"] == engine and r["kind"] == kind),
                        key=lambda r: r["context_tokens"])
@@ -214,7 +258,8 @@ def plot(rows: list[dict], path: str) -> None:
     else:
         right.text(0.5, 0.5, "the server has no\nmol2_state_bytes_* counters", ha="center", va="center",
                    transform=right.transAxes)
-    figure.suptitle("turn cost: mol2 (tritonserver, demo) vs vLLM CPU (same size Llama, prefix cache per LoRA)")
+    figure.suptitle("turn cost: mol2 (tritonserver, demo) vs vLLM CPU (same size Llama, prefix cache per LoRA) "
+                    "vs llama.cpp (the same Llama in GGUF, cache cleared on a LoRA change)", fontsize=9)
     save_figure(figure, path)
 
 
@@ -224,7 +269,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--json", help="write the rows as JSON")
     add_plot_option(parser, "artifacts/benchmarks/turn_cost.png")
     parser.add_argument("--repeats", type=int, default=None, help="turns of each kind (default 6; --quick 3)")
-    parser.add_argument("--no-vllm", action="store_true", help="measure our server alone")
+    parser.add_argument("--no-vllm", action="store_true", help="leave vLLM out")
+    parser.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp out")
     parser.add_argument("--contexts", type=lambda text: tuple(int(n) for n in text.split(",")), default=None,
                         help="comma-separated context lengths (default 512,2048,8192,32768; --quick 512,2048)")
     parser.add_argument("--engine", default="torch", choices=("torch", "onnxruntime"), help="our server's engine")
@@ -244,6 +290,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     use_vllm = not args.no_vllm and vllm_available()
     if not args.no_vllm and not use_vllm:
         print(SKIP_MESSAGE)
+    use_llamacpp = not args.no_llamacpp and peer_llamacpp.llamacpp_available()
+    if not args.no_llamacpp and not use_llamacpp:
+        print(peer_llamacpp.SKIP_MESSAGE)
     env = {"MOL2_ENGINE": args.engine, "MOL2_MAX_PROMPT_TOKENS": "32768"}  # the model's context: prompts up to it
     if args.engine == "onnxruntime":
         from ced.engines import ensure_onnx_engine
@@ -259,6 +308,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"starting vLLM on the peer ({peer}); log {logs / 'vllm_turn_cost.log'}", flush=True)
             vllm = load.VllmClient(stack.enter_context(running_vllm(peer, Ports.free().http,
                                                                      logs / "vllm_turn_cost.log")))
+        llamacpp = None
+        if use_llamacpp:
+            gguf = peer_llamacpp.convert_peer(PEER_ROOT)
+            log = logs / "llamacpp_turn_cost.log"
+            print(f"starting llama-server on the peer ({gguf}); log {log}", flush=True)
+            base = stack.enter_context(peer_llamacpp.running_llamacpp(gguf, Ports.free().http, log))
+            mismatch = peer_llamacpp.tokenizer_mismatch(base, tokenizer, ROOT)
+            if mismatch:
+                raise RuntimeError(mismatch)
+            llamacpp = peer_llamacpp.LlamaCppClient(base)
         mol2 = load.Mol2Client(f"http://{ports.http_url}")
         counters = Counters(f"http://{ports.host}:{ports.metrics}")
         print(f"servers up after {time.perf_counter() - began:.0f} s", flush=True)
@@ -266,31 +325,39 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if vllm:
             for adapter in ADAPTERS:  # each LoRA loaded once before anything is timed
                 vllm.complete(load.user_turn("Hello."), vllm_name(adapter), 1)
+        if llamacpp:
+            for adapter in ADAPTERS:
+                llamacpp.complete(load.user_turn("Hello."), adapter, 1)
         for index, context in enumerate(contexts):
-            order = ["mol2", "vllm"] if index % 2 == 0 else ["vllm", "mol2"]
+            order = ["mol2", "vllm", "llamacpp"] if index % 2 == 0 else ["llamacpp", "vllm", "mol2"]
+            switch_repeats = 2 if context >= 32768 else repeats
             for engine in order:
                 started = time.perf_counter()
                 if engine == "mol2":
                     rows += measure_ours(mol2, counters, tokenizer, context, repeats)
-                elif vllm:
-                    switch_repeats = 2 if context >= 32768 else repeats
+                elif engine == "vllm" and vllm:
                     rows += measure_vllm(vllm, tokenizer, context, repeats, switch_repeats)
+                elif engine == "llamacpp" and llamacpp:
+                    rows += measure_llamacpp(llamacpp, tokenizer, context, repeats, switch_repeats)
                 else:
                     continue
                 done = rows[-2:]
-                print(f"  {engine:4s} {context:>5d} tokens: continue {done[0]['server_ms']:.0f} ms, switch "
+                print(f"  {engine:8s} {context:>5d} tokens: continue {done[0]['server_ms']:.0f} ms, switch "
                       f"{done[1]['server_ms']:.0f} ms ({time.perf_counter() - started:.0f} s, load "
                       f"{done[1]['load_avg'][0]})", flush=True)
-    print(f"\nshort turns (max_tokens 1, non-streamed), {repeats} repeats of each kind alternating (vLLM switch at "
-          f"32K: 2); server_ms = client-observed on loopback, median; bytes = our counters' change per turn "
-          f"(null: the server has no {WRITTEN} / {MOVED}); first_turn_ms = ours: the conversation's first turn, "
-          f"vLLM: the cold warm-up request; load average (1, 5, 15 min) beside each row\n")
+    print(f"\nshort turns (max_tokens 1, non-streamed), {repeats} repeats of each kind alternating (vLLM's and "
+          f"llama.cpp's switch at 32K: 2); server_ms = client-observed on loopback, median; bytes = our counters' "
+          f"change per turn (null: the server has no {WRITTEN} / {MOVED}); prefilled_tokens = llama.cpp's "
+          f"timings.prompt_n; first_turn_ms = ours: the conversation's first turn, vLLM and llama.cpp: the cold "
+          f"warm-up request; load average (1, 5, 15 min) beside each row\n")
     print(markdown_table(rows, COLUMNS))
     print()
     for line in ratio_lines(rows, contexts):
         print(line)
     if not use_vllm and not args.no_vllm:
         print(SKIP_MESSAGE)
+    if not use_llamacpp and not args.no_llamacpp:
+        print(peer_llamacpp.SKIP_MESSAGE)
     print(f"\ntook {time.perf_counter() - began:.0f} s; load average now {load.load_avg()}")
     write_json(rows, args.json)
     plot(rows, args.plot)
