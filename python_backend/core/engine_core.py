@@ -9,13 +9,8 @@ a process doing the same (measured in-process). Here the scheduler's Python runs
 core, and they exchange one message per step (vLLM's V1 engine core does the same).
 
 The stub sends ("requests", [(request id, {input name: array})]), ("cancel", id) and ("stop",);
-the core answers with lists of events, one list per decode step and per iteration (Outbox):
-  ("token", id, token, outputs or None, logprobs or None)   a streamed token; `outputs`, the turn's constant outputs,
-                                           on its first; `logprobs` (token_logprobs) when the request asked
-  ("final", id, ids or None, count, finish_reason, outputs, logprobs or None)   ids (and logprobs): all of them
-                                           when not streaming
-  ("error", id, message or None, code)   None: cancelled, an empty last response
-  ("count", metric, adapter, value)   a counter increment (the stub owns Triton's metrics)
+the core answers with lists of typed events (python_backend/core/events.py: Token, Final, Failed, Count), one list
+per decode step and per iteration (Outbox).
 The router still runs between the adapter-free stage and the decoder inside the request: the scheduler routes a
 turn on its pooled H19 when its prefill ends. With `--engine onnxruntime` (or tensorrt) the scheduler is the same;
 it drives the exported graphs a row at a time (ced/row_engine.py).
@@ -41,6 +36,7 @@ import numpy as np
 from ced.tokenization import check_messages
 
 from .detokenize import check_ids
+from .events import Count, Event, Failed, Final, Token
 from .inputs import RequestError, as_scalar, as_text, generation, text_size
 from .routing import BASE_NAME, RouterStage, load_scorer
 from .scheduler import CancelledTurn, Scheduler, Turn
@@ -57,10 +53,10 @@ class Outbox:
 
     def __init__(self, connection: Connection):
         self.connection = connection
-        self._events: list[tuple] = []
+        self._events: list[Event] = []
         self._lock = threading.Lock()
 
-    def post(self, event: tuple) -> None:
+    def post(self, event: Event) -> None:
         with self._lock:
             self._events.append(event)
 
@@ -75,7 +71,7 @@ class Outbox:
                 pass
 
     def count(self, name: str, adapter: str, value: float = 1.0) -> None:
-        self.post(("count", name, adapter, value))
+        self.post(Count(name, adapter, value))
 
 
 class EngineCore:
@@ -190,21 +186,21 @@ def engine_setting(parameters: dict[str, str], name: str, default: int) -> int:
     return int(os.environ.get(f"MOL2_{name.upper()}", default) if value == "auto" else value)
 
 
-def error_event(request_id: int, error: Exception) -> tuple:
-    """The ("error", ...) event for a failed request, with the Triton code that sets its HTTP status and, for the
+def error_event(request_id: int, error: Exception) -> Failed:
+    """The event for a failed request, with the Triton code that sets its HTTP status and, for the
     server's own conditions, the marker of server_errors.py its message starts with (not every path keeps the
     code). A full disk (or quota) is UNAVAILABLE (503): retry once there is room. Stored state found damaged is
     INTERNAL (500), its message saying what was lost. Any other ValueError is the client's: INVALID_ARG (400). The
     rest is a failure of ours: INTERNAL, logged with its traceback."""
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
         log.error("engine: %s", error)
-        return ("error", request_id, f"{STORAGE_FULL} {error}", "UNAVAILABLE")
+        return Failed(request_id, f"{STORAGE_FULL} {error}", "UNAVAILABLE")
     if isinstance(error, StoreDamaged):
-        return ("error", request_id, f"{STATE_DAMAGED} {error}", "INTERNAL")  # the store logged what it moved
+        return Failed(request_id, f"{STATE_DAMAGED} {error}", "INTERNAL")  # the store logged what it moved
     if isinstance(error, ValueError):
-        return ("error", request_id, str(error), "INVALID_ARG")
+        return Failed(request_id, str(error), "INVALID_ARG")
     log.error("engine: %s", "".join(traceback.format_exception(error)))
-    return ("error", request_id, f"{ENGINE_FAILED} {type(error).__name__}: {error}", "INTERNAL")
+    return Failed(request_id, f"{ENGINE_FAILED} {type(error).__name__}: {error}", "INTERNAL")
 
 
 class EventSink:
@@ -221,8 +217,8 @@ class EventSink:
             self.core.outbox.count("mol2_routes_applied", adapter)
             self.core.outbox.count("mol2_replayed_tokens", adapter, turn.replayed)
         if self.stream:
-            self.core.outbox.post(("token", self.request_id, token, turn_outputs(turn) if first else None,
-                                   token_logprobs(turn, turn.logprobs[-1:])))
+            self.core.outbox.post(Token(self.request_id, token, turn_outputs(turn) if first else None,
+                                        token_logprobs(turn, turn.logprobs[-1:])))
 
     def finished(self, turn: Turn) -> None:
         outbox, adapter = self.core.outbox, turn.decision.adapter
@@ -231,16 +227,13 @@ class EventSink:
         outbox.count("mol2_state_bytes_moved", adapter, turn.bytes_moved)
         self.core.sinks.pop(self.request_id, None)
         ids = None if self.stream else list(turn.generated)  # streamed: the stub has them
-        outbox.post(("final", self.request_id, ids, len(turn.generated), turn.finish_reason, turn_outputs(turn),
-                     None if self.stream else token_logprobs(turn, turn.logprobs)))
+        outbox.post(Final(self.request_id, ids, len(turn.generated), turn.finish_reason, turn_outputs(turn),
+                          None if self.stream else token_logprobs(turn, turn.logprobs)))
 
     def failed(self, error: Exception, turn: Turn) -> None:
         self.core.sinks.pop(self.request_id, None)
-        if isinstance(error, CancelledTurn):
-            event = ("error", self.request_id, None, None)
-        else:
-            event = error_event(self.request_id, error)
-        self.core.outbox.post(event)
+        cancelled = isinstance(error, CancelledTurn)
+        self.core.outbox.post(Failed(self.request_id, None, None) if cancelled else error_event(self.request_id, error))
 
     def cancelled(self) -> bool:
         return self._cancelled

@@ -29,6 +29,7 @@ import numpy as np
 from ced.tokenization import ChatTokenizer
 
 from ..core.detokenize import text_delta, window
+from ..core.events import Count, Event, Failed, Final, Token
 from ..core.server_errors import ENGINE_FAILED
 from .metrics import Counters
 from .triton_io import error_response, requested_outputs
@@ -147,35 +148,30 @@ class EngineModel:
                 self._check_cancelled()
                 next_check = time.monotonic() + CANCEL_CHECK_S
 
-    def _handle(self, event: tuple) -> None:
-        kind = event[0]
-        if kind == "token":  # its logprobs, when the request asked, trail it
-            _, request_id, token, outputs, *logprobs = event
-            pending = self.pending[request_id]
-            if outputs is not None:
-                pending.outputs = self._encode(outputs)
-            pending.ids.append(token)
-            self._send(pending, window(pending.ids, 1), 1, False, "", logprobs=logprobs[0] if logprobs else None)
-        elif kind == "final":
-            _, request_id, ids, count, finish_reason, outputs, *logprobs = event
-            pending = self.pending.pop(request_id)  # forgotten first: no cancellation check follows its last response
+    def _handle(self, event: Event) -> None:
+        if isinstance(event, Token):
+            pending = self.pending[event.request_id]
+            if event.outputs is not None:
+                pending.outputs = self._encode(event.outputs)
+            pending.ids.append(event.token)
+            self._send(pending, window(pending.ids, 1), 1, False, "", logprobs=event.logprobs)
+        elif isinstance(event, Final):
+            pending = self.pending.pop(event.request_id)  # forgotten first: no cancellation check follows its last
             if pending.outputs is None:
-                pending.outputs = self._encode(outputs)
-            if ids is None:  # streamed: the last response adds no ids, it flushes a character left unfinished
-                self._send(pending, window(pending.ids, 0), 0, True, finish_reason, self.final, count)
+                pending.outputs = self._encode(event.outputs)
+            if event.ids is None:  # streamed: the last response adds no ids, it flushes a character left unfinished
+                self._send(pending, window(pending.ids, 0), 0, True, event.finish_reason, self.final, event.count)
             else:
-                self._send(pending, ids, len(ids), True, finish_reason, self.final, count,
-                           logprobs[0] if logprobs else None)
-        elif kind == "error":
-            _, request_id, message, code = event
-            pending = self.pending.pop(request_id)
-            if message is None:  # cancelled
+                self._send(pending, event.ids, len(event.ids), True, event.finish_reason, self.final, event.count,
+                           event.logprobs)
+        elif isinstance(event, Failed):
+            pending = self.pending.pop(event.request_id)
+            if event.message is None:  # cancelled
                 pending.sender.send(flags=self.final)
             else:
-                pending.sender.send(error_response(self.pb, message, code), flags=self.final)
-        elif kind == "count":
-            _, name, adapter, value = event
-            self.counters.add(name, adapter, value)
+                pending.sender.send(error_response(self.pb, event.message, event.code), flags=self.final)
+        elif isinstance(event, Count):
+            self.counters.add(event.metric, event.adapter, event.value)
 
     def _send(self, pending: Pending, ids: list[int], fresh: int, last: bool, finish_reason: str, flags: int = 0,
               count: int | None = None, logprobs: list | None = None) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from python_backend.core.engine_core import STORAGE_FULL, error_event
+from python_backend.core.events import Failed
 from ced.state import delta_of
 from python_backend.server.openai_api.app import _guarded
 from python_backend.server.openai_api.streaming import sse as _sse
@@ -155,16 +156,15 @@ def test_a_full_disk_refuses_a_turn_before_any_work_and_leaves_no_lock(conversat
 
 def test_the_engine_core_sends_storage_conditions_as_the_servers():
     full = error_event(7, OSError(errno.ENOSPC, "No space left on device", "/store/c.state"))
-    assert full[:2] == ("error", 7) and full[3] == "UNAVAILABLE"
-    assert full[2] == f"{STORAGE_FULL} [Errno 28] No space left on device: '/store/c.state'"
-    assert error_event(7, OSError(errno.EDQUOT, "Disk quota exceeded"))[2].startswith(STORAGE_FULL)
-    assert error_event(7, OSError(errno.EIO, "Input/output error"))[2:] == (
-        "engine failed: OSError: [Errno 5] Input/output error", "INTERNAL")
-    assert error_event(7, ConversationReset("reset to its last good turn"))[2:] == (
-        "stored state damaged: reset to its last good turn", "INTERNAL")
-    assert error_event(7, StoreDamaged("damaged and has been dropped"))[3] == "INTERNAL"
-    assert error_event(7, RequestError("text_input is empty")) == ("error", 7, "text_input is empty", "INVALID_ARG")
-    assert error_event(7, RuntimeError("a bug"))[2:] == ("engine failed: RuntimeError: a bug", "INTERNAL")
+    assert full == Failed(7, f"{STORAGE_FULL} [Errno 28] No space left on device: '/store/c.state'", "UNAVAILABLE")
+    assert error_event(7, OSError(errno.EDQUOT, "Disk quota exceeded")).message.startswith(STORAGE_FULL)
+    assert error_event(7, OSError(errno.EIO, "Input/output error")) == Failed(
+        7, "engine failed: OSError: [Errno 5] Input/output error", "INTERNAL")
+    assert error_event(7, ConversationReset("reset to its last good turn")) == Failed(
+        7, "stored state damaged: reset to its last good turn", "INTERNAL")
+    assert error_event(7, StoreDamaged("damaged and has been dropped")).code == "INTERNAL"
+    assert error_event(7, RequestError("text_input is empty")) == Failed(7, "text_input is empty", "INVALID_ARG")
+    assert error_event(7, RuntimeError("a bug")) == Failed(7, "engine failed: RuntimeError: a bug", "INTERNAL")
 
 
 def test_the_openai_front_end_answers_a_full_disk_with_507_and_ends_a_stream_with_the_error():
