@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from .schema import DEFAULT_MAX_TOKENS, FLOAT32_SMALLEST, MAX_TOKENS_LIMIT, APIError, _Strict
+from .schema import DEFAULT_MAX_TOKENS, FLOAT32_SMALLEST, MAX_TOKENS_LIMIT, APIError, _Strict, refuse_unsupported
 
 MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's own limits
 TEXT_PARTS = ("input_text", "output_text")
@@ -70,9 +70,7 @@ class ResponseRequest(_Strict):
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name, unused in _UNSUPPORTED.items():
-                if name in data and not any(data[name] is u or data[name] == u for u in unused):
-                    raise APIError(400, f"{name}: not supported by this server", name, "unsupported_parameter")
+            refuse_unsupported(data, _UNSUPPORTED)
             if isinstance(data.get("input"), list):
                 _check_items(data["input"])
         return data

@@ -239,6 +239,14 @@ class StructuredOutputs(_Strict):
 
 
 # (field, the values that mean "not used"): set to anything else, the request is refused
+def refuse_unsupported(data: Any, unsupported: dict[str, tuple]) -> None:
+    """A 400 naming the first field of `unsupported` that `data` sets to anything but one of its accepted no-op
+    values (a field this server does not implement is refused, never silently ignored)."""
+    for name, unused in unsupported.items():
+        if name in data and not any(data[name] is u or data[name] == u for u in unused):
+            raise APIError(400, f"{name}: not supported by this server", name, "unsupported_parameter")
+
+
 _UNSUPPORTED = {
     "functions": (None, []), "function_call": (None, "none"),  # OpenAI's deprecated form of tools
     "logit_bias": (None, {}), "best_of": (None, 1),
@@ -278,9 +286,7 @@ class _Sampling(_Strict):
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name, unused in _UNSUPPORTED.items():
-                if name in data and not any(data[name] is u or data[name] == u for u in unused):
-                    raise APIError(400, f"{name}: not supported by this server", name, "unsupported_parameter")
+            refuse_unsupported(data, _UNSUPPORTED)
         return data
 
     @field_validator("stop_token_ids")
