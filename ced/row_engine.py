@@ -1,6 +1,7 @@
-"""The serving engine's verbs (BatchedEngine's) over an engine that runs one conversation per call: the exported
-graphs (ONNX Runtime, TensorRT), which have CEDEngine's interface. The scheduler drives either one, so a turn runs in
-one loop whatever runs the model: admission, the prefix cache, streaming, cancellation, the journal.
+"""The serving engine's verbs (BatchedEngine's) over an engine that runs one conversation per call and has
+CEDEngine's interface: the exported graphs (ONNX Runtime, TensorRT) and the deepseek_v41 family's V41Engine. The
+scheduler drives either kind, so a turn runs in one loop whatever runs the model: admission, the prefix cache,
+streaming, cancellation, the journal.
 
 A batch's rows run one after another, each its own call: no batching speed-up on the model's side, but every
 active turn moves on each step, where one turn at a time used to hold every other turn back until it ended.
