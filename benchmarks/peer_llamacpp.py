@@ -214,6 +214,17 @@ def tokenizer_mismatch(base: str, tokenizer, root: Path = ROOT) -> str | None:
             f"({len(theirs)} against {len(ours)} tokens)")
 
 
+def start_client(stack: contextlib.ExitStack, log: Path, tokenizer, port: int, root: Path = ROOT) -> LlamaCppClient:
+    """llama-server on the converted peer, inside `stack` (stopped with it), checked to tokenize as ours does."""
+    gguf = convert_peer(PEER_ROOT)
+    print(f"starting llama-server on the peer ({gguf}); log {log}", flush=True)
+    base = stack.enter_context(running_llamacpp(gguf, port, log))
+    mismatch = tokenizer_mismatch(base, tokenizer, root)
+    if mismatch:
+        raise RuntimeError(mismatch)
+    return LlamaCppClient(base)
+
+
 def llama_bench(gguf: Path, threads: int = THREADS, generate: int = 128, prompt: int = 512) -> list[dict]:
     """llama-bench on the peer's GGUF (no adapter): pp`prompt` and tg`generate` tokens/s, its JSON rows."""
     done = subprocess.run([str(BENCH), "-m", str(Path(gguf) / "model-f32.gguf"), "-t", str(threads),

@@ -673,14 +673,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             sends["vllm"] = vllm_send(load.VllmClient(stack.enter_context(
                 running_vllm(peer, vllm_port, logs / "vllm_serving_throughput.log"))))
         if use_llamacpp:
-            gguf = peer_llamacpp.convert_peer(PEER_ROOT)
-            log = logs / "llamacpp_serving_throughput.log"
-            print(f"starting llama-server on the peer ({gguf}); log {log}", flush=True)
-            base = stack.enter_context(peer_llamacpp.running_llamacpp(gguf, Ports.free().http, log))
-            mismatch = peer_llamacpp.tokenizer_mismatch(base, tokenizer, ROOT)
-            if mismatch:
-                raise RuntimeError(mismatch)
-            sends["llamacpp"] = llamacpp_send(peer_llamacpp.LlamaCppClient(base))
+            sends["llamacpp"] = llamacpp_send(peer_llamacpp.start_client(
+                stack, logs / "llamacpp_serving_throughput.log", tokenizer, Ports.free().http, ROOT))
         engines = Engines(sends, served)
         print(f"servers up after {time.perf_counter() - began:.0f} s ({', '.join(engines.names)}); warming up",
               flush=True)

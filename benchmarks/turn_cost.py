@@ -310,14 +310,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                                                      logs / "vllm_turn_cost.log")))
         llamacpp = None
         if use_llamacpp:
-            gguf = peer_llamacpp.convert_peer(PEER_ROOT)
-            log = logs / "llamacpp_turn_cost.log"
-            print(f"starting llama-server on the peer ({gguf}); log {log}", flush=True)
-            base = stack.enter_context(peer_llamacpp.running_llamacpp(gguf, Ports.free().http, log))
-            mismatch = peer_llamacpp.tokenizer_mismatch(base, tokenizer, ROOT)
-            if mismatch:
-                raise RuntimeError(mismatch)
-            llamacpp = peer_llamacpp.LlamaCppClient(base)
+            llamacpp = peer_llamacpp.start_client(stack, logs / "llamacpp_turn_cost.log", tokenizer,
+                                                  Ports.free().http, ROOT)
         mol2 = load.Mol2Client(f"http://{ports.http_url}")
         counters = Counters(f"http://{ports.host}:{ports.metrics}")
         print(f"servers up after {time.perf_counter() - began:.0f} s", flush=True)
