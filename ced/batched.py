@@ -15,6 +15,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import Tensor
 
+from .cpu_share import FreeCpus
 from .engine import CEDEngine, SamplingParams, StateError, check_tokens, sample
 from .model import SharedOutput
 from .paged import PagedCache, PagePool, Resident, selection_or_none
@@ -29,14 +30,16 @@ CHUNK_THREADS_MIN_POSITIONS = 128
 
 
 class BatchedEngine:
-    """`chunk_threads`: the torch threads of large prefill and replay calls (None: the caller's setting, as decode
-    steps always use: their ~1,500 small operations lose more to waking a second thread than they gain).
+    """`chunk_threads`: the most torch threads of a large prefill or replay call, each call taking as many as other
+    processes leave CPUs free (ced/cpu_share.py); None: the caller's setting, as decode steps always use (their
+    ~1,500 small operations lose more to waking a second thread than they gain).
     `capacity_bytes`: the pool's room before it must grow (PagePool)."""
 
     def __init__(self, engine: CEDEngine, page_entries: int = 64, chunk_threads: int | None = None,
                  capacity_bytes: int = 0):
         self.engine, self.model, self.config = engine, engine.model, engine.config
         self.chunk_threads = chunk_threads
+        self.free_cpus = FreeCpus()
         self.adapters = engine.adapters
         self.pool = PagePool(self.config, next(self.model.parameters()).dtype, page_entries,
                              capacity_bytes=capacity_bytes)
@@ -245,12 +248,17 @@ class BatchedEngine:
 
     @contextmanager
     def _threads(self, positions: int):
-        """Large chunk work on `chunk_threads`, then back to the caller's setting."""
+        """Large chunk work on up to `chunk_threads` (as many as are free of other processes), then back to the
+        caller's setting."""
         before = torch.get_num_threads()
         if self.chunk_threads in (None, before) or positions < CHUNK_THREADS_MIN_POSITIONS:
             yield
             return
-        torch.set_num_threads(self.chunk_threads)
+        threads = self.free_cpus.threads(self.chunk_threads)
+        if threads == before:
+            yield
+            return
+        torch.set_num_threads(threads)
         try:
             yield
         finally:

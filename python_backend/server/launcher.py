@@ -97,11 +97,6 @@ def server_environment(overrides: dict[str, str] | None = None) -> dict[str, str
     own_libpython = sysconfig.get_config_var("LIBDIR") if sysconfig.get_config_var("Py_ENABLE_SHARED") else None
     env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [own_libpython, str(libs), env.get("LD_LIBRARY_PATH")]))
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    # torch's OpenMP threads sleep as soon as a parallel region ends instead of spinning. Spinning, a prefill chunk's
-    # second thread fights any other busy process for the core: a cold 4K-token prompt beside one took 34.7 s
-    # through the server instead of 0.95 s; asleep, 1.29 s beside it and 1.23 s alone (issue #36, benchmarks/
-    # README.md#llamacpp-and-contention-issue-36). Decode steps run on one thread: not affected.
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env.setdefault("MOL2_PYTHON", sys.executable)  # the engine model's core process runs on it (engine_model.py)
     project = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [project, env.get("PYTHONPATH")]))

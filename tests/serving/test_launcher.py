@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from python_backend.server.launcher import LaunchError, Ports, server_environment, start, stop
+from python_backend.server.launcher import LaunchError, Ports, start, stop
 
 
 def test_a_server_is_not_started_on_ports_in_use(tmp_path):
@@ -50,12 +50,3 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
 
-
-def test_the_server_s_openmp_threads_sleep_instead_of_spinning(monkeypatch):
-    """Spinning, a prefill chunk's second thread fights any other busy process for the core (issue #36: a cold 4K
-    prompt beside one took 36x its idle time); an operator's own setting wins."""
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert server_environment()["OMP_WAIT_POLICY"] == "PASSIVE"
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert server_environment()["OMP_WAIT_POLICY"] == "ACTIVE"
-    assert server_environment({"OMP_WAIT_POLICY": "PASSIVE"})["OMP_WAIT_POLICY"] == "PASSIVE"
