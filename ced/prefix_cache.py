@@ -9,7 +9,9 @@ Entries are conversations held in the engine's pool (ced/paged.py) and never wri
 (its rings copied, its full pages shared, the last partial page copied), so branches of one history share the
 pages of their common prefix. Keys are (length, hash chain over blocks of tokens): a lookup hashes the request's
 tokens once and probes each length the cache holds, longest first; the tokens are compared before a hit counts.
-Eviction is least recently used, under a byte budget (a page shared by entries counted once).
+The cache keeps no budget of its own: its owner (the server's python_backend/core/residency.py) drops its least
+recently used entries when the pool's rows together are over budget; each entry says when it was last used
+(`used`, on the owner's `clock`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import hashlib
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
+from itertools import count
+from typing import Callable
 
 import numpy as np
 from torch import Tensor
@@ -33,6 +37,7 @@ class CachedPrefix:
     pooled: Tensor | None  # the router's pooled H19 of the prefix's last turn, for a request that is all cache
     logits: Tensor | None = None  # next-token logits under the adapter whose windows the row holds (if current)
     digest: str = ""  # that adapter's digest
+    used: int = 0  # when it was last inserted or found, on the cache's clock
 
 
 @dataclass
@@ -44,15 +49,17 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    def __init__(self, engine: BatchedEngine, byte_budget: int):
-        self.engine, self.byte_budget = engine, byte_budget
+    def __init__(self, engine: BatchedEngine, clock: Callable[[], int] | None = None):
+        self.engine, self.clock = engine, clock or count().__next__
         self.entries: OrderedDict[tuple[int, bytes], CachedPrefix] = OrderedDict()  # least recently used first
         self.lengths: Counter[int] = Counter()  # how many entries hold each length
         self.stats = PrefixCacheStats()
-        self.nbytes = 0
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    def rows(self) -> list[Resident]:
+        return [entry.row for entry in self.entries.values()]
 
     def lookup(self, tokens: list[int], longest: int | None = None) -> CachedPrefix | None:
         """The entry holding the longest stored prefix of `tokens` (at most `longest` of them), or None."""
@@ -64,6 +71,7 @@ class PrefixCache:
             entry = self.entries.get(key)
             if entry is not None and entry.row.tokens == tokens[:length]:
                 self.entries.move_to_end(key)
+                entry.used = self.clock()
                 self.stats.hit_tokens += length
                 return entry
         return None
@@ -77,33 +85,24 @@ class PrefixCache:
         if key in self.entries or row.length == 0:
             if key in self.entries:
                 self.entries.move_to_end(key)
+                self.entries[key].used = self.clock()
             self.engine.close(row)
             return
-        self.entries[key] = CachedPrefix(row, pooled, logits, digest)
+        self.entries[key] = CachedPrefix(row, pooled, logits, digest, self.clock())
         self.lengths[row.length] += 1
         self.stats.inserted += 1
-        self._evict()
 
-    def clear(self) -> None:
-        while self.entries:
-            self._drop_oldest()
+    def oldest_use(self) -> int | None:
+        """When the least recently used entry was last used (None: the cache is empty)."""
+        return next(iter(self.entries.values())).used if self.entries else None
 
-    def _evict(self) -> None:
-        self.nbytes = self._measure()
-        while self.entries and self.nbytes > self.byte_budget:
-            self._drop_oldest()
-            self.stats.evicted += 1
-            self.nbytes = self._measure()
-
-    def _drop_oldest(self) -> None:
+    def drop_oldest(self) -> None:
         (length, _), entry = self.entries.popitem(last=False)
         self.lengths[length] -= 1
         if not self.lengths[length]:
             del self.lengths[length]
+        self.stats.evicted += 1
         self.engine.close(entry.row)
-
-    def _measure(self) -> int:
-        return self.engine.unshared_nbytes([entry.row for entry in self.entries.values()])
 
 
 def _chain(tokens: list[int], blocks: int) -> list[bytes]:

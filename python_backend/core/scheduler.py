@@ -9,7 +9,8 @@ back a short one; chunks of similar lengths share one padded call), then one bat
 prefill just ended, whose first tokens go out in the same iteration. Rows join and leave at token boundaries. A
 turn that stores nothing is answered when its last token is sampled (`_answer_early`).
 
-Conversations stay resident in the engine's pool between turns; the journal (ConversationStore) is the copy that
+Conversations stay resident in the engine's pool between turns, beside the prefix cache's rows, both owned by
+`Residency` (python_backend/core/residency.py) under one byte budget; the journal (ConversationStore) is the copy that
 survives. A resident copy is trusted only while the journal is what this loop wrote (ConversationStore.reusable:
 the same file, size and times, its last record checked again); a journal another process wrote since is read back,
 and one damaged since is rewritten from the resident copy. A turn that fails or is cancelled stores nothing: its
@@ -33,7 +34,6 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -43,13 +43,14 @@ from torch import Tensor
 from ced.batched import BatchedEngine
 from ced.engine import SamplingParams, TokenLogprobs, sample, sample_with_logprobs
 from ced.paged import Resident
-from ced.prefix_cache import CachedPrefix, PrefixCache
+from ced.prefix_cache import CachedPrefix
 from ced.state import ConversationState
 from ced.tokenization import ChatTokenizer
 
 from .inputs import RequestError
 from .limits import check_context
 from .routing import RouteDecision
+from .residency import Residency
 from .store import ConversationStore
 from .structured import Grammars, RowGrammar
 
@@ -142,16 +143,17 @@ class Scheduler:
         each decode step and at the end of each iteration."""
         self.engine, self.store, self.tokenizer = engine, store, tokenizer
         self.publish = publish
-        self.prefix = PrefixCache(engine, prefix_cache_bytes)
         self._grammars: Grammars | None = None  # built at the first turn with a grammar (xgrammar loads in seconds)
         self.engine_adapter, self.refresh = engine_adapter, refresh
-        self.token_budget, self.max_resident, self.prefill_chunk = token_budget, max_resident, prefill_chunk
+        self.token_budget, self.prefill_chunk = token_budget, prefill_chunk
         self.stats = SchedulerStats()
         self.incoming: queue.Queue[Turn] = queue.Queue()
         self.prefilling: list[Turn] = []
         self.decoding: list[Turn] = []
         self.answering: list[Turn] = []  # sampled their last token this iteration, answered at its end
-        self.resident: OrderedDict[str, tuple[Resident, object]] = OrderedDict()  # id -> (row, store.identity)
+        # the pool's rows between turns (idle conversations, cached prefixes) under one budget with the running ones
+        self.residency = Residency(engine, prefix_cache_bytes, max_resident, live=lambda: [
+            turn.row for turn in self.prefilling + self.decoding if turn.row is not None])
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mol2-scheduler", daemon=True)
         self._last_expiry = time.monotonic()
@@ -272,14 +274,14 @@ class Scheduler:
     def _resident_row(self, turn: Turn) -> Resident:
         """The conversation in the pool, read back from the journal when the pool's copy is missing or stale."""
         cid = turn.conversation_id
-        held = self.resident.pop(cid, None)
+        held = self.residency.take(cid)
         if held is not None:
             row, written = held
             try:
                 if self.store.reusable(cid, written, lambda: self.engine.delta(row, 0)):
                     return row
             except BaseException:  # could not repair the journal (a full disk): the copy is kept for the next try
-                self.resident[cid] = held
+                self.residency.keep(cid, row, written)
                 raise
             self.engine.close(row)
         state = self.store.load(cid)  # raises UnknownConversation / StoreError with the client's message
@@ -290,9 +292,9 @@ class Scheduler:
     def _cached_row(self, turn: Turn, tokens: list[int]) -> Resident:
         """A fork of the longest cached prefix of `tokens`, or an empty row. A routed turn needs H19 of its own
         turn: a prefix covering all of it serves only if the router's pooled H19 was stored with it."""
-        hit = self.prefix.lookup(tokens)
+        hit = self.residency.lookup(tokens)
         if hit is not None and hit.row.length == len(tokens) and not turn.explicit and hit.pooled is None:
-            hit = self.prefix.lookup(tokens, longest=len(tokens) - 1)
+            hit = self.residency.lookup(tokens, longest=len(tokens) - 1)
         if hit is None:
             return self.engine.open()
         turn.cached, turn.hit = hit.row.length, hit
@@ -408,9 +410,10 @@ class Scheduler:
             # The prompt's end, the adapter's windows and next-token logits: what a resend will match. The row is
             # as the replay left it (the sampled token is appended by the next step), unless the turn has just
             # finished at the context limit (its end state went to the cache then).
-            if turn.tokens and self.prefix.byte_budget and (turn.stateless or turn.new) and turn in self.decoding:
-                self.prefix.insert(self.engine.fork(turn.row, keep_bound=True), turn.pooled, row_logits.clone(),
-                                   turn.digest)
+            resend = turn.stateless or turn.new
+            if turn.tokens and resend and self.residency.caches_prefixes and turn in self.decoding:
+                self.residency.keep_prefix(self.engine.fork(turn.row, keep_bound=True), turn.pooled,
+                                           row_logits.clone(), turn.digest)
 
     def _replayed_already(self, turn: Turn) -> bool:
         """A stateless prompt found whole in the cache with its adapter's windows current and the logits they gave:
@@ -518,12 +521,11 @@ class Scheduler:
                 row, since = turn.row, 0 if turn.new else turn.start_length  # a new one's cached prefix too
                 self.store.append(cid, self.engine.delta(row, since), lambda: self.engine.delta(row, 0))
                 turn.bytes_written = self.store.bytes_written - before
-                self.resident[cid] = (turn.row, self.store.identity(cid))
-                if self.prefix.byte_budget:
-                    self.prefix.insert(self.engine.fork(row))
-                self._evict()
+                if self.residency.caches_prefixes:
+                    self.residency.keep_prefix(self.engine.fork(row))
+                self.residency.keep(cid, turn.row, self.store.identity(cid))
         except Exception as error:  # noqa: BLE001 - not stored: the client must not think it was
-            self.resident.pop(cid, None)
+            self.residency.take(cid)  # the row, if kept already, is closed here
             self.engine.close(turn.row)
             self._release(turn)
             turn.sink.failed(error, turn)
@@ -552,7 +554,7 @@ class Scheduler:
             if turn in active:
                 active.remove(turn)
         if turn.row is not None:  # the resident copy holds part of the failed turn: the journal's is the good one
-            self.resident.pop(turn.conversation_id, None)
+            self.residency.take(turn.conversation_id)
             self.engine.close(turn.row)
             turn.row = None
         if turn.answered:  # released and answered: only its row (and the prefix cache's copy of it) is lost
@@ -567,20 +569,11 @@ class Scheduler:
 
     def _keep_end_state(self, row: Resident) -> None:
         """An ended conversation's state: into the prefix cache (a client may send its history whole), or freed."""
-        if self.prefix.byte_budget:
-            self.prefix.insert(row)
-        else:
-            self.engine.close(row)
+        self.residency.keep_prefix(row)
 
     def _drop_cancelled(self) -> None:
         for turn in [t for t in self.prefilling + self.decoding if not t.answered and t.sink.cancelled()]:
             self._fail(turn, CancelledTurn("cancelled by the client"))
-
-    def _evict(self) -> None:
-        """Idle conversations beyond `max_resident` leave the pool (the journal keeps them)."""
-        while len(self.resident) > self.max_resident:
-            _, (row, _) = self.resident.popitem(last=False)
-            self.engine.close(row)
 
     def _maybe_expire(self, every_s: float = 60.0) -> None:
         """Idle conversations past the store's timeout end, in the journal and in the pool."""
@@ -589,9 +582,7 @@ class Scheduler:
             return
         self._last_expiry = now
         for cid in self.store.expire():
-            held = self.resident.pop(cid, None)
-            if held is not None:
-                self.engine.close(held[0])
+            self.residency.drop(cid)
             log.info("conversation %s expired", cid)
 
     def _maybe_refresh(self) -> None:

@@ -71,20 +71,20 @@ def test_the_same_prompt_and_adapter_again_needs_no_replay(scheduler):
 
 def test_forks_of_one_history_share_its_pages(scheduler):
     stateless(scheduler, chat(HISTORY + "Go on."), "chat", max_tokens=2)
-    pool, before = scheduler.engine.pool, scheduler.prefix.nbytes
-    held_before = [entry.row for entry in scheduler.prefix.entries.values()]
+    pool, before = scheduler.engine.pool, scheduler.residency.nbytes()
+    held_before = [entry.row for entry in scheduler.residency.prefixes.entries.values()]
     _, one = stateless(scheduler, chat(HISTORY + "Go on.", "It slept.", "And then?"), "chat", max_tokens=2)
     _, two = stateless(scheduler, chat(HISTORY + "Go on.", "It ran.", "Where to?"), "coding", max_tokens=2)
     assert one.cached > 600 and two.cached == one.cached  # both started from the first request's prompt
     history_pages = one.cached // scheduler.engine.config.block_size // pool.page_entries
-    entries = [entry.row for entry in scheduler.prefix.entries.values()]
+    entries = [entry.row for entry in scheduler.residency.prefixes.entries.values()]
     added = [row for row in entries if row not in held_before]
     for page in entries[0].pages[:history_pages]:
         assert all(page in row.pages for row in entries)  # one copy of the history, held by every entry
     old_pages = {page for row in held_before for page in row.pages}
     new_pages = {page for row in added for page in row.pages} - old_pages
     assert len(new_pages) <= 2 * len(added)  # only pages of the forks' own new tokens (each less than a page)
-    assert scheduler.prefix.nbytes - before == len(added) * pool.slot_nbytes() + len(new_pages) * pool.page_nbytes()
+    assert scheduler.residency.nbytes() - before == len(added) * pool.slot_nbytes() + len(new_pages) * pool.page_nbytes()
 
 
 def test_a_chat_resent_with_its_reply_reuses_the_previous_prompt(scheduler):
@@ -99,12 +99,12 @@ def test_a_chat_resent_with_its_reply_reuses_the_previous_prompt(scheduler):
 def test_eviction_keeps_the_cache_under_its_budget(served_dir, tmp_path):
     probe = scheduler_for(served_dir, tmp_path / "probe")
     stateless(probe, chat("a short question"), "chat", max_tokens=2)
-    one_entry = max(probe.engine.pool.nbytes(entry.row) for entry in probe.prefix.entries.values())
+    one_entry = max(probe.engine.pool.nbytes(entry.row) for entry in probe.residency.prefixes.entries.values())
     scheduler = scheduler_for(served_dir, tmp_path, cache_bytes=3 * one_entry)
     for n in range(5):
         stateless(scheduler, chat(f"question number {n} " * 3), "chat", max_tokens=2)
-        assert scheduler.prefix.nbytes <= 3 * one_entry
-    assert scheduler.prefix.stats.evicted >= 4 and 0 < len(scheduler.prefix) <= 3
+        assert scheduler.residency.nbytes() <= 3 * one_entry
+    assert scheduler.residency.prefixes.stats.evicted >= 4 and 0 < len(scheduler.residency.prefixes) <= 3
     _, again = stateless(scheduler, chat("question number 0 " * 3), "chat", max_tokens=2)
     assert again.cached == 0  # the oldest were evicted
 

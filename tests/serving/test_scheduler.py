@@ -82,7 +82,7 @@ def test_interleaved_turns_are_each_conversations_serial_run(parts, served_dir):
             got[cid].append(sink.tokens)
     for cid, script in scripts.items():
         assert got[cid] == serial_tokens(served_dir, tokenizer, script), cid
-        assert store.length_of(cid) == scheduler.resident[cid][0].length
+        assert store.length_of(cid) == scheduler.residency.row_of(cid).length
     assert scheduler.stats.decode_rows > scheduler.stats.decode_steps  # rows really shared steps
     assert scheduler.stats.prefill_rows > scheduler.stats.prefill_calls  # and prompts of different lengths, calls
 
@@ -98,7 +98,7 @@ def test_a_cancelled_row_stops_and_stores_nothing(parts):
         scheduler.submit(turn(cid, "second", "coding", sink, tokenizer, new=False, max_tokens=20))
     scheduler.drain()
     assert isinstance(cancel.error, CancelledTurn) and len(cancel.tokens) == 2
-    assert store.journal_size("cancel") == size and "cancel" not in scheduler.resident
+    assert store.journal_size("cancel") == size and not scheduler.residency.has("cancel")
     assert keep.done and len(keep.tokens) > 2
     again = Sink()
     scheduler.submit(turn("cancel", "third", "chat", again, tokenizer, new=False))

@@ -53,7 +53,7 @@ class EngineProcess:
         return sink.tokens
 
     def tokens(self, cid: str) -> list[int]:
-        return self.scheduler.resident[cid][0].tokens if cid in self.scheduler.resident else None
+        return row.tokens if (row := self.scheduler.residency.row_of(cid)) else None
 
 
 @pytest.fixture()
