@@ -108,6 +108,7 @@ def test_a_v41_conversation_switching_adapters_is_the_reference_and_survives_a_r
             conversation = answer["conversation_id_out"]
             answers.append(answer["text_output"])
         check_the_openai_api(v41_dir, ports, tokenizer)
+        check_a_hot_adapter_update(v41_dir, ports)
     with v41_server() as ports:  # a new server process: the conversation comes back from the journal
         text, adapter = TURNS[3]
         fields = dict(text_input=text, adapter=adapter, conversation_id=conversation, max_tokens=MAX_TOKENS,
@@ -137,3 +138,32 @@ def check_the_openai_api(v41_dir, ports, tokenizer) -> None:
         assert answers[1].usage.prompt_tokens_details.cached_tokens == len(prompt)  # shared across adapters
     finally:
         front.stop()
+
+
+def check_a_hot_adapter_update(v41_dir, ports) -> None:
+    """Pointing `chat` at another adapter's directory takes effect on the next turn, without a restart: a
+    conversation whose windows were built under the old `chat` replays under the new one and answers as `coding`."""
+    set_file = v41_dir / "adapter_set.json"
+    original = set_file.read_text()
+
+    def turn(text, adapter, conversation=None):
+        fields = dict(text_input=text, adapter=adapter, max_tokens=MAX_TOKENS, ignore_eos=True)
+        if conversation:
+            fields["conversation_id"] = conversation
+        answer = post(ports, "/v2/models/mol2/generate", fields)
+        assert "error" not in answer, answer
+        return answer
+
+    starts = [turn("the same start", "chat") for _ in range(3)]
+    a, b, c = (start["conversation_id_out"] for start in starts)
+    before = turn("again", "chat", b)["text_output"]
+    try:
+        updated = json.loads(original)
+        shutil.copytree(v41_dir / "adapters" / "coding", v41_dir / "adapters" / "coding_copy", dirs_exist_ok=True)
+        updated["adapters"][0]["path"] = "adapters/coding_copy"  # "chat" now serves the coding adapter's weights
+        set_file.write_text(json.dumps(updated))
+        after = turn("again", "chat", a)
+        assert after["text_output"] == turn("again", "coding", c)["text_output"] != before
+    finally:
+        set_file.write_text(original)
+    assert turn("the same start", "chat")["text_output"] == starts[0]["text_output"]  # rolled back
