@@ -116,7 +116,7 @@ class EngineCore:
 
     def parse(self, request_id: int, inputs: dict[str, np.ndarray]) -> Turn:
         get = lambda name, kind, default: as_scalar(inputs.get(name), name, kind, default)  # noqa: E731
-        prompt, route_start = self._stateless_prompt(inputs)
+        prompt, route_start = stateless_prompt(inputs, self.served.tokenizer, self.served.store.limits)
         if prompt is None and "_text_ids" not in inputs:
             raise ValueError("missing input '_text_ids'")
         if prompt is None and inputs["_text_ids"].size > self.served.store.limits.max_prompt_tokens:
@@ -144,32 +144,6 @@ class EngineCore:
                     route_start=route_start)
         return turn
 
-    def _stateless_prompt(self, inputs: dict[str, np.ndarray]) -> tuple[list[int] | None, int]:
-        """A whole chat (`messages`, JSON) or a raw `prompt`, rendered to tokens; (None, 0) for a stateful turn."""
-        tokenizer, limits = self.served.tokenizer, self.served.store.limits
-        # sizes before any decoding or tokenizing; JSON may spend 6 bytes on one of text (\u00XX) and ~40 on a message
-        limits.check_text("messages", text_size(inputs.get("messages")), 6 * tokenizer.max_token_bytes + 64)
-        limits.check_text("prompt", text_size(inputs.get("prompt")), tokenizer.max_token_bytes)
-        messages = as_text(inputs.get("messages"), "messages")
-        prompt = as_text(inputs.get("prompt"), "prompt")
-        if messages is not None and prompt is not None:
-            raise RequestError("give messages or prompt, not both")
-        if messages is not None:
-            try:
-                parsed = check_messages(json.loads(messages))
-            except json.JSONDecodeError as error:
-                raise RequestError(f"messages is not valid JSON: {error}") from None
-            except RecursionError:
-                raise RequestError("messages nests too deeply to be a list of {role, content} objects") from None
-            limits.check_text("messages", sum(len(m["content"].encode("utf-8")) for m in parsed),
-                              tokenizer.max_token_bytes)
-            return tokenizer.render(parsed)
-        if prompt is not None:
-            if not prompt:
-                raise RequestError("prompt is empty")
-            return tokenizer.completion_prompt(prompt), 0
-        return None, 0
-
     def _router_for(self, adapter_set, explicit: str | None):
         def route(pooled):
             decision = self.router.run(adapter_set, pooled, explicit)
@@ -178,6 +152,34 @@ class EngineCore:
                 self.outbox.count("mol2_router_decision_ms_total", decision.adapter, decision.decision_ms)
             return decision
         return route
+
+
+def stateless_prompt(inputs: dict[str, np.ndarray], tokenizer, limits) -> tuple[list[int] | None, int]:
+    """A whole chat (`messages`, JSON) or a raw `prompt`, rendered to tokens, and where the router's turn starts in
+    them; (None, 0) for a stateful turn. The one rendering: the engine's, and a disaggregated relay's
+    (python_backend/triton/front.py)."""
+    # sizes before any decoding or tokenizing; JSON may spend 6 bytes on one of text (\u00XX) and ~40 on a message
+    limits.check_text("messages", text_size(inputs.get("messages")), 6 * tokenizer.max_token_bytes + 64)
+    limits.check_text("prompt", text_size(inputs.get("prompt")), tokenizer.max_token_bytes)
+    messages = as_text(inputs.get("messages"), "messages")
+    prompt = as_text(inputs.get("prompt"), "prompt")
+    if messages is not None and prompt is not None:
+        raise RequestError("give messages or prompt, not both")
+    if messages is not None:
+        try:
+            parsed = check_messages(json.loads(messages))
+        except json.JSONDecodeError as error:
+            raise RequestError(f"messages is not valid JSON: {error}") from None
+        except RecursionError:
+            raise RequestError("messages nests too deeply to be a list of {role, content} objects") from None
+        limits.check_text("messages", sum(len(m["content"].encode("utf-8")) for m in parsed),
+                          tokenizer.max_token_bytes)
+        return tokenizer.render(parsed)
+    if prompt is not None:
+        if not prompt:
+            raise RequestError("prompt is empty")
+        return tokenizer.completion_prompt(prompt), 0
+    return None, 0
 
 
 def engine_setting(parameters: dict[str, str], name: str, default: int) -> int:

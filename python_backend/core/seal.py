@@ -150,9 +150,11 @@ class Sealer:
 PREFILL, DECODE, RETURNED = "prefill", "decode", "decoded"  # the purposes: a seal for one is no seal for another
 
 
-def prefill_fields(conversation_id: str | None, route_only: bool, text_ids) -> dict:
-    """A prefill request: which conversation ("": a new one), whether it may lock and write it, the turn's ids."""
-    return {"conversation_id": conversation_id or "", "route_only": bool(route_only), "text_ids": ids_digest(text_ids)}
+def prefill_fields(conversation_id: str | None, route_only: bool, text_ids, route_start: int | None = None) -> dict:
+    """A prefill request: which conversation ("": a new one), whether it may lock and write it, the turn's ids;
+    `route_start` set: the ids are a whole stateless prompt (no conversation), the router's turn starting there."""
+    return {"conversation_id": conversation_id or "", "route_only": bool(route_only), "text_ids": ids_digest(text_ids),
+            "stateless_route_start": -1 if route_start is None else int(route_start)}
 
 
 def decode_fields(conversation_id: str, length: int, adapter_hash: int, state: bytes, return_state: bool,

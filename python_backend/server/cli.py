@@ -87,7 +87,7 @@ def add_serve(commands, **options) -> None:
                              "larger ones get RESOURCE_EXHAUSTED (default 64M)")
     parser.add_argument("--openai-port", type=int, default=9000,
                         help="port of the OpenAI-compatible API (/v1/chat/completions, /v1/models, ...) on --host, "
-                             "started once tritonserver is ready (default 9000; 0: off; --role all only)")
+                             "started once tritonserver is ready (default 9000; 0: off; not on --role decode)")
     parser.add_argument("--max-n", type=_at_least_one, default=8,
                         help="most choices (n) one OpenAI chat or completions request may ask for (default 8)")
     parser.add_argument("--max-stored-responses", type=_at_least_one, default=1024,

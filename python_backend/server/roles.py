@@ -17,6 +17,12 @@ ROLES = ("all", "prefill", "decode")
 RELAY_MODEL = Path(__file__).resolve().parents[1] / "triton" / "templates" / "relay_model.py"
 PAIR_SECRET = Path(__file__).resolve().parents[2] / "artifacts" / "triton" / "pair.secret"  # a pair on one checkout
 _ENGINE_STEP = re.compile(r'model_name: "engine([a-z0-9_]*)"')
+# What a relay takes and gives beyond its ensemble's: the engine model's stateless inputs (a whole chat or prompt,
+# as the OpenAI API sends them; python_backend/triton/front.py), a turn's ids, logprobs, and the counts the API reports
+RELAY_INPUTS = {"_text_ids": "TYPE_INT64 dims: [ -1 ]", "messages": "TYPE_STRING dims: [ 1 ]",
+                "prompt": "TYPE_STRING dims: [ 1 ]", "logprobs": "TYPE_INT32 dims: [ 1 ]"}
+RELAY_OUTPUTS = {"prompt_tokens": "TYPE_INT32 dims: [ 1 ]", "cached_tokens": "TYPE_INT32 dims: [ 1 ]",
+                 "finish_reason": "TYPE_STRING dims: [ 1 ]", "logprobs": "TYPE_STRING dims: [ 1 ]"}
 
 
 def models_of(repository: Path) -> dict[str, str]:
@@ -44,9 +50,25 @@ def relay_config(ensemble_config: str, name: str, decode_url: str) -> str:
     router, decode = f"router{engine[1]}", f"decode{engine[1]}"
     head = ensemble_config[:ensemble_config.index("ensemble_scheduling")]
     head = head.replace('platform: "ensemble"', 'backend: "python"\nmodel_transaction_policy { decoupled: true }')
+    # text_input becomes one way of several to give the turn (`messages`, `prompt`, `_text_ids`)
+    head = head.replace('{ name: "text_input" data_type: TYPE_STRING dims: [ 1 ] }',
+                        '{ name: "text_input" data_type: TYPE_STRING dims: [ 1 ] optional: true }')
+    head = _with_tensors(head, "input", {name: f"{kind} optional: true" for name, kind in RELAY_INPUTS.items()})
+    head = _with_tensors(head, "output", RELAY_OUTPUTS)
     parameters = {"router_model": router, "decode_model": decode, "decode_url": decode_url}
     lines = [f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}' for key, value in parameters.items()]
     return head.rstrip() + "\ninstance_group [ { kind: KIND_CPU count: 1 } ]\n" + "\n".join(lines) + "\n"
+
+
+def _with_tensors(config: str, block: str, tensors: dict[str, str]) -> str:
+    """`config` with these tensors added at the end of its `input [` or `output [` list (those it lacks)."""
+    start = config.index(f"\n{block} [")
+    end = config.index("\n]", start)
+    lines = [f'  {{ name: "{name}" data_type: {kind} }}' for name, kind in tensors.items()
+             if f'name: "{name}"' not in config[start:end]]
+    if not lines:
+        return config
+    return config[:end] + ",\n" + ",\n".join(lines) + config[end:]
 
 
 def build_prefill_repository(source: Path, dest: Path, decode_url: str) -> list[str]:

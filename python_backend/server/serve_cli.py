@@ -167,7 +167,7 @@ def serve(args: argparse.Namespace) -> None:
                          "server?): stop it or choose other ports (--http-port, --grpc-port, --metrics-port)")
     limit_env = limit_settings(args)
     store = hold(args, public)  # before anything is built or started: a second server on the store stops here
-    if args.openai_port and args.role == "all" and port_in_use(public.host, args.openai_port):
+    if args.openai_port and args.role != "decode" and port_in_use(public.host, args.openai_port):
         raise SystemExit(f"mol2 serve: port {args.openai_port} on {public.host} already in use: choose another "
                          "--openai-port (0: no OpenAI API)")
     model_dir = prepare_demo(args.demo)
@@ -209,16 +209,20 @@ def serve(args: argparse.Namespace) -> None:
             store.release()
 
 
+OPENAI_MODEL = {"all": "engine", "prefill": "mol2"}  # what the OpenAI API streams its requests to, per role
+
+
 def start_openai(args: argparse.Namespace, public: Ports, grpc: str):
-    """The OpenAI-compatible API (python_backend/server/openai_api) in this process, talking to tritonserver's `engine` over
-    its loopback gRPC port `grpc`; None when --openai-port is 0 or the role has no engine (prefill / decode
-    servers)."""
-    if not args.openai_port or args.role != "all":
+    """The OpenAI-compatible API (python_backend/server/openai_api) in this process, talking over tritonserver's
+    loopback gRPC port `grpc` to `engine`, or on a prefill server to the `mol2` relay (decode on the decode server);
+    None when --openai-port is 0 or on a decode server (its models serve the prefill server only)."""
+    if not args.openai_port or args.role == "decode":
         return None
     from .openai_api import OpenAIServer, OpenAISettings
 
     # the model and adapter set: resolved as the engine resolves them (the same MOL2_* variables)
-    settings = OpenAISettings(grpc, adapters_root=Path(args.adapters_root) if args.adapters_root else None,
+    settings = OpenAISettings(grpc, engine_model=OPENAI_MODEL[args.role],
+                              adapters_root=Path(args.adapters_root) if args.adapters_root else None,
                               max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
                               max_json_depth=args.max_json_depth, max_unsent_bytes=args.max_unsent_bytes,
                               api_keys=args.keys, allowed_origins=args.origins, max_n=args.max_n,

@@ -48,18 +48,23 @@ def text_array(text: str) -> np.ndarray:
     return np.array([text.encode("utf-8")], dtype=object)
 
 
-def prefill_request(call: Call, sealer: Sealer, text_input: np.ndarray, conversation_id: str | None,
-                    route_only: bool) -> dict[str, np.ndarray]:
-    """tokenize -> prefill, the prefill request sealed. Prefill takes no lock: a caller that will commit the turn
-    holds the conversation's turn lock itself (Relay.run)."""
-    ids = call("tokenize", {"text_input": text_input}, ["_text_ids"])["_text_ids"]
-    seal = sealer.seal(PREFILL, **prefill_fields(conversation_id, route_only, ids))
-    inputs = {"_text_ids": ids, "_seal": text_array(seal)}
+def prefill_request(call: Call, sealer: Sealer, text_input: np.ndarray | None, conversation_id: str | None,
+                    route_only: bool, ids: np.ndarray | None = None,
+                    route_start: int | None = None) -> dict[str, np.ndarray]:
+    """tokenize -> prefill, the prefill request sealed (`ids` given: the turn's ids as they are, not tokenized;
+    with `route_start`, a whole stateless prompt, rendered by the caller). Prefill takes no lock: a caller that will
+    commit the turn holds the conversation's turn lock itself (Relay.run)."""
+    if ids is None:
+        ids = call("tokenize", {"text_input": text_input}, ["_text_ids"])["_text_ids"]
+    seal = sealer.seal(PREFILL, **prefill_fields(conversation_id, route_only, ids, route_start))
+    inputs = {"_text_ids": np.asarray(ids, dtype=np.int64).reshape(-1), "_seal": text_array(seal)}
     if conversation_id:
         inputs["conversation_id"] = text_array(conversation_id)
     if route_only:
         inputs["_route_only"] = np.array([True])
-    return call("prefill", inputs, ["_h19", "_state", "_transfer_meta", "_conversation_id"])
+    if route_start is not None:
+        inputs["_route_start"] = np.array([route_start], dtype=np.int32)
+    return call("prefill", inputs, ["_h19", "_state", "_transfer_meta", "_conversation_id", "_prompt_tokens"])
 
 
 def route_request(call: Call, prefilled: dict[str, np.ndarray], adapter: str | None, router_model: str,

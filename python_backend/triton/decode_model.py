@@ -7,7 +7,8 @@ of them together, each under its own adapter (in one batch on the torch engine, 
 `execute` checks and hands over, the scheduler's thread sends the responses.
 
 With `_return_state` (a disaggregated prefill server's relay) the final state comes back in `_state_out`, in a last
-response of its own, sealed in `_state_seal`, and the store is not touched: the prefill server owns it. `_state`
+response of its own, sealed in `_state_seal`, and the store is not touched: the prefill server owns it. A turn of no
+conversation (`_conversation_id` empty: the relay's stateless OpenAI requests) is neither stored nor returned. `_state`
 and `_state_out` are deltas where they can be (python_backend/core/delta_transfer.py): this model keeps each
 conversation's final state, up to `transfer_cache_mb`, and a delta on a state it does not hold is refused first.
 Internal: a request without its caller's seal over the conversation, the transfer and the state
@@ -17,6 +18,7 @@ is tested without a server.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,6 +27,7 @@ from ced.engine import SamplingParams
 
 from ..core.delta_transfer import DecodeTransfers, Received, cache_bytes
 from ..core.detokenize import window
+from ..core.engine_core import token_logprobs
 from ..core.inputs import RequestError, generation
 from ..core.routing import BASE_NAME, RouteDecision
 from ..core.scheduler import CancelledTurn, Scheduler, Turn
@@ -140,21 +143,25 @@ class DecodeModel:
         entry = self.served.watcher.current.by_hash(decode_request.meta.adapter_hash)
         decision = RouteDecision(entry.name if entry is not None else BASE_NAME, decode_request.meta.adapter_hash)
         sampling = decode_request.sampling
+        stateless = not decode_request.conversation_id  # a relayed OpenAI request: its end state is dropped
         budget = min(decode_request.max_tokens, self.served.engine.config.max_context - received.state.length)
         self._count_outstanding(+1)
         self.scheduler.submit(Turn(
             decode_request.conversation_id, [], lambda pooled: decision, HandedSink(self, parsed, sender, wanted),
             max(budget, 1), sampling, ignore_eos=decode_request.ignore_eos,
             end_conversation=decode_request.end_conversation, explicit=True,
-            handed=received.state, returns_state=decode_request.return_state))
+            handed=received.state, returns_state=decode_request.return_state or stateless))
 
-    def respond(self, parsed: ParsedDecode, fresh: int, last: bool, wanted: frozenset[str], adapter: str):
-        """The newest `fresh` ids (after a few earlier ones, for detokenize) and the turn's metadata; only the
-        outputs the request asked for (triton_io.response)."""
+    def respond(self, parsed: ParsedDecode, fresh: int, last: bool, wanted: frozenset[str], adapter: str,
+                finish_reason: str = "", logprobs: list | None = None):
+        """The newest `fresh` ids (after a few earlier ones, for detokenize) and the turn's metadata, with the
+        finish reason on the last and, when the request asked, the logprobs of these tokens (JSON, as the engine
+        model sends them); only the outputs the request asked for (triton_io.response)."""
+        extra = {} if logprobs is None else {"logprobs": json.dumps(logprobs)}
         return response(self.pb, self.outputs.tensors(
             _ids=window(parsed.ids, fresh), _fresh=fresh, _last=last, applied_adapter=adapter,
             replayed_tokens=parsed.replayed, output_tokens=len(parsed.ids), route_scores=parsed.scores,
-            conversation_id_out=parsed.request.conversation_id), wanted)
+            conversation_id_out=parsed.request.conversation_id, finish_reason=finish_reason, **extra), wanted)
 
 
 class HandedSink:
@@ -175,7 +182,8 @@ class HandedSink:
             counters.add("mol2_replayed_tokens", turn.decision.adapter, turn.replayed)
         parsed.ids.append(token)
         if parsed.stream:
-            self.sender.send(self.model.respond(parsed, 1, False, self.wanted, turn.decision.adapter))
+            self.sender.send(self.model.respond(parsed, 1, False, self.wanted, turn.decision.adapter,
+                                                logprobs=token_logprobs(turn, turn.logprobs[-1:])))
 
     def finished(self, turn: Turn) -> None:
         model, parsed, request = self.model, self.parsed, self.parsed.request
@@ -183,7 +191,8 @@ class HandedSink:
         try:
             # Streamed: the last response adds no ids, it flushes a character left unfinished (and carries FINAL).
             last = [model.respond(parsed, 0 if parsed.stream else len(parsed.ids), True, self.wanted,
-                                  turn.decision.adapter)]
+                                  turn.decision.adapter, turn.finish_reason,
+                                  None if parsed.stream else token_logprobs(turn, turn.logprobs))]
             if request.return_state:
                 state = model.transfers.reply(request.conversation_id, request.received, turn.final_state,
                                                     request.end_conversation)

@@ -1,5 +1,7 @@
 """The disaggregated relay: a prefill server that prefills and routes a turn through BLS (python_backend/triton/bls.py),
-hands decode to another Triton server over gRPC and keeps the conversation's one stored copy.
+hands decode to another Triton server over gRPC and keeps the conversation's one stored copy. A stateless request (a
+whole chat or prompt: the OpenAI API's, which streams to a relay as to a single server's `engine`) is rendered here,
+prefilled and routed as a turn of no conversation, decoded there, and stored nowhere.
 
 `pb` (triton_python_backend_utils) is passed in, so the logic is tested without a server.
 """
@@ -11,7 +13,10 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from ced.tokenization import ChatTokenizer
+
 from ..core.delta_transfer import BASE_REFUSED, DELTA, Count, Outgoing, RelayTransfers, no_count
+from ..core.engine_core import stateless_prompt
 from ..core.seal import DECODE, RETURNED, Sealer, decode_fields, returned_fields
 from ..core.store import ConversationStore, check_id
 from ..core.transfer import TransferError
@@ -23,9 +28,12 @@ from .triton_io import RequestError
 PASSED_ON = {"max_tokens": np.int32, "stream": np.bool_, "temperature": np.float32, "top_p": np.float32,
              "top_k": np.int32, "seed": np.uint64, "end_conversation": np.bool_, "ignore_eos": np.bool_,
              "min_p": np.float32, "repetition_penalty": np.float32, "presence_penalty": np.float32,
-             "frequency_penalty": np.float32, "min_tokens": np.int32, "stop_token_ids": np.int32}
+             "frequency_penalty": np.float32, "min_tokens": np.int32, "stop_token_ids": np.int32,
+             "structured_output": np.object_, "logprobs": np.int32}
 LISTS = frozenset({"stop_token_ids"})
-ANSWER_OUTPUTS = ("applied_adapter", "replayed_tokens", "output_tokens", "route_scores", "conversation_id_out")
+STATELESS = ("messages", "prompt")  # a whole chat or prompt (the OpenAI API's requests): no conversation
+ANSWER_OUTPUTS = ("applied_adapter", "replayed_tokens", "output_tokens", "route_scores", "conversation_id_out",
+                  "finish_reason", "logprobs")
 IDS = ("_ids", "_fresh", "_last")  # what decode sends for `detokenize` to turn into text_output
 
 
@@ -77,57 +85,111 @@ class Relay:
 
     The state travels as a delta where it can (python_backend/core/delta_transfer.py): only what the decode server
     lacks goes, and only what the relay lacks comes back; a delta decode refuses is sent again whole, once.
-    `count(name, value, **labels)` counts the bytes and the fallbacks (Counters.count).
+    `count(name, value, **labels)` counts the bytes and the fallbacks (Counters.count). `tokenizer` renders stateless
+    requests; without one (tests of the stateful path) they fail.
     """
 
     def __init__(self, call: Call, store: ConversationStore, router_model: str, decode_url: str, decode_model: str,
-                 sealer: Sealer, decode: Callable[..., Iterator] = remote_decode, count: Count = no_count):
+                 sealer: Sealer, decode: Callable[..., Iterator] = remote_decode, count: Count = no_count,
+                 tokenizer: ChatTokenizer | None = None):
         self.call, self.store, self.router_model, self.sealer = call, store, router_model, sealer
+        self.tokenizer = tokenizer
         self.decode_url, self.decode_model, self.decode = decode_url, decode_model, decode
         self.transfers = RelayTransfers(store, store.config, count)
 
     def run(self, fields: dict[str, np.ndarray], send: Callable[[dict[str, np.ndarray] | None, bool], None],
             cancelled: Callable[[], bool] = lambda: False) -> None:
         """`cancelled()` says the client went away: the remote turn is cancelled and nothing is stored."""
+        if any(name in fields for name in STATELESS):
+            self._run_stateless(fields, send, cancelled)
+            return
+        if fields.get("text_input") is None and fields.get("_text_ids") is None:
+            raise RequestError("missing input: text_input (a turn of a conversation), or messages or prompt (a "
+                               "whole chat or prompt, stateless)")
         conversation_id = _text(fields.get("conversation_id"))
         if conversation_id:
             self.store.begin_turn(check_id(conversation_id))  # a second turn on it is refused until this one ends
+        pending = None
         try:
-            prefilled = prefill_request(self.call, self.sealer, fields["text_input"], conversation_id,
-                                        route_only=False)
+            prefilled = prefill_request(self.call, self.sealer, fields.get("text_input"), conversation_id,
+                                        route_only=False, ids=fields.get("_text_ids"))
             if not conversation_id:  # a new conversation: its id exists from now (refused here at the store's limits)
                 conversation_id = _text(prefilled["_conversation_id"])
                 self.store.begin_turn(conversation_id)
             routed = route_request(self.call, prefilled, _text(fields.get("adapter")), self.router_model, False)
-            inputs = {"_state": prefilled["_state"], "_routed_meta": routed["_routed_meta"],
-                      "_conversation_id": prefilled["_conversation_id"], "_route_scores": routed["_route_scores"],
-                      "_return_state": np.array([True])}
-            inputs.update({name: fields[name].astype(dtype).reshape(-1 if name in LISTS else 1)
-                           for name, dtype in PASSED_ON.items() if fields.get(name) is not None})
+            inputs = self._decode_inputs(fields, prefilled, routed)
+            inputs["_return_state"] = np.array([True])
             end = _flag(inputs.get("end_conversation"))
             sent = self.transfers.outgoing(conversation_id, prefilled["_state"].tobytes())
             sent, results = self._start_decode(conversation_id, inputs, sent, routed["_routed_meta"], end)
-            pending, committed = None, False
-            for result in results:
-                if cancelled():
-                    getattr(results, "close", lambda: None)()  # remote_decode cancels the remote turn on close
-                    send(None, True)
-                    return
-                state = result.as_numpy("_state_out")
-                if state is not None:
-                    self._commit(conversation_id, sent, state.tobytes(), _text(result.as_numpy("_state_seal")), end)
-                    committed = True
-                    continue
-                if pending is not None:  # one behind, so the FINAL flag rides the last answer, as decode sends it
-                    send(pending, False)
-                pending = {name: result.as_numpy(name) for name in ANSWER_OUTPUTS}
-                pending.update(self.call("detokenize", {name: result.as_numpy(name) for name in IDS}, ["text_output"]))
+            committed = False
+
+            def commit(state: bytes, seal: str | None) -> None:
+                nonlocal committed
+                self._commit(conversation_id, sent, state, seal, end)
+                committed = True
+
+            pending = self._answers(results, send, cancelled, commit, _count(prefilled["_prompt_tokens"]))
+            if pending is None:
+                return
             if not committed:
                 raise RequestError(f"the decode server at {self.decode_url} ended the turn without its final state")
         finally:
             if conversation_id:
                 self.store.end_turn(conversation_id)  # only the lock this relay took
         send(pending, True)  # only now: a client may send the next turn the moment it has this answer
+
+    def _run_stateless(self, fields: dict[str, np.ndarray], send: Callable, cancelled: Callable[[], bool]) -> None:
+        """A whole chat or prompt (the OpenAI API's requests): rendered here as the single server's engine renders
+        it, prefilled from scratch (this server keeps no prefix cache), decoded there, stored nowhere."""
+        if fields.get("conversation_id") is not None:
+            raise RequestError("conversation_id cannot be given with messages or prompt: those carry the whole "
+                               "history (stateless)")
+        ids, route_start = stateless_prompt(fields, self.tokenizer, self.store.limits)
+        prefilled = prefill_request(self.call, self.sealer, None, None, route_only=False,
+                                    ids=np.asarray(ids, dtype=np.int64), route_start=route_start)
+        routed = route_request(self.call, prefilled, _text(fields.get("adapter")), self.router_model, False)
+        inputs = self._decode_inputs(fields, prefilled, routed)
+        sent = self.transfers.outgoing("", prefilled["_state"].tobytes())  # no conversation: always whole
+        end = _flag(inputs.get("end_conversation"))
+        _, results = self._start_decode("", inputs, sent, routed["_routed_meta"], end)
+
+        def unexpected(state: bytes, seal: str | None) -> None:
+            raise RequestError(f"the decode server at {self.decode_url} returned a state for a stateless request")
+
+        pending = self._answers(results, send, cancelled, unexpected, _count(prefilled["_prompt_tokens"]))
+        if pending is not None:
+            send(pending, True)
+
+    def _decode_inputs(self, fields: dict[str, np.ndarray], prefilled: dict, routed: dict) -> dict[str, np.ndarray]:
+        inputs = {"_state": prefilled["_state"], "_routed_meta": routed["_routed_meta"],
+                  "_conversation_id": prefilled["_conversation_id"], "_route_scores": routed["_route_scores"]}
+        inputs.update({name: fields[name].astype(dtype).reshape(-1 if name in LISTS else 1)
+                       for name, dtype in PASSED_ON.items() if fields.get(name) is not None})
+        return inputs
+
+    def _answers(self, results: Iterator, send: Callable, cancelled: Callable[[], bool],
+                 on_state: Callable[[bytes, str | None], None], prompt_tokens: int) -> dict | None:
+        """Decode's answers passed on to the client, their ids detokenized here, all but the last: that one is
+        returned, for the caller to send once the turn is over (None: the client went away, its stream is ended).
+        A final state in the answers goes to `on_state`."""
+        pending = None
+        for result in results:
+            if cancelled():
+                getattr(results, "close", lambda: None)()  # remote_decode cancels the remote turn on close
+                send(None, True)
+                return None
+            state = result.as_numpy("_state_out")
+            if state is not None:
+                on_state(state.tobytes(), _text(result.as_numpy("_state_seal")))
+                continue
+            if pending is not None:  # one behind, so the FINAL flag rides the last answer, as decode sends it
+                send(pending, False)
+            pending = {name: value for name in ANSWER_OUTPUTS if (value := result.as_numpy(name)) is not None}
+            # this server prefills every turn from scratch: nothing of the prompt comes from a cache
+            pending.update(prompt_tokens=prompt_tokens, cached_tokens=0)
+            pending.update(self.call("detokenize", {name: result.as_numpy(name) for name in IDS}, ["text_output"]))
+        return pending
 
     def _start_decode(self, conversation_id: str, inputs: dict[str, np.ndarray], sent: Outgoing,
                       routed_meta: np.ndarray, end: bool) -> tuple[Outgoing, Iterator]:
@@ -137,7 +199,7 @@ class Relay:
         while True:
             inputs["_state"] = np.frombuffer(sent.data, np.uint8)
             inputs["_seal"] = text_array(self.sealer.seal(DECODE, **decode_fields(
-                conversation_id, length, adapter_hash, sent.data, True, end)))
+                conversation_id, length, adapter_hash, sent.data, _flag(inputs.get("_return_state")), end)))
             results = self.decode(self.decode_url, self.decode_model, inputs)
             try:
                 first = next(results)
@@ -177,6 +239,10 @@ def _text(value: np.ndarray | None) -> str | None:
         return None
     item = value.reshape(-1)[0]
     return (item.decode("utf-8") if isinstance(item, bytes) else str(item)) or None
+
+
+def _count(value: np.ndarray) -> int:
+    return int(value.reshape(-1)[0])
 
 
 def _flag(value: np.ndarray | None) -> bool:

@@ -1,10 +1,12 @@
 """The `prefill` Triton model: the new user turn through the adapter-free stage, H19 pooled over the turn for the
 router and the conversation's state for the transfer to decode. Its turns run in the scheduler
 (python_backend/core/scheduler.py), the loop every turn runs in, and leave it once prefilled: the router and the
-decoder run in other models. With `_route_only` (the `route` model's requests) the state is not sent, and either
-way nothing is written: the caller holds the conversation's turn lock and commits the turn. Internal: every request
-carries its caller's seal (python_backend/core/seal.py), checked before the store is read. `pb` is passed in, so it
-is tested without a server."""
+decoder run in other models. With `_route_start` the ids are a whole stateless prompt (a chat or completion the
+relay rendered as the single server's engine renders one), prefilled from scratch, of no conversation. With
+`_route_only` (the `route` model's requests) the state is not sent, and either way nothing is written: the caller
+holds the conversation's turn lock and commits the turn. Internal: every request carries its caller's seal
+(python_backend/core/seal.py), checked before the store is read. `pb` is passed in, so it is tested without a
+server."""
 
 from __future__ import annotations
 
@@ -47,10 +49,16 @@ class PrefillModel:
         ids = required(pb, request, "_text_ids").reshape(-1)
         route_only = as_scalar(optional(pb, request, "_route_only"), "_route_only", bool, False)
         conversation_id = as_text(optional(pb, request, "conversation_id"), "conversation_id")
+        route_start = as_scalar(optional(pb, request, "_route_start"), "_route_start", int, None)
         self.sealer.check(PREFILL, as_text(optional(pb, request, "_seal"), "_seal"),
-                          **prefill_fields(conversation_id, route_only, ids))
+                          **prefill_fields(conversation_id, route_only, ids, route_start))
         if ids.size == 0:
             raise RequestError("text_input is empty")
+        if route_start is not None:  # a whole stateless prompt (the OpenAI API's chat or completion): no conversation
+            turn = Turn("", [], route=None, sink=PrefillSink(), prompt=ids.tolist(), route_start=route_start,
+                        leaves_prefilled=True, returns_state=True)
+            self.scheduler.submit(turn)
+            return turn, False
         new = not conversation_id
         turn = Turn(conversation_id or ("" if route_only else uuid.uuid4().hex), ids.tolist(), route=None,
                     sink=PrefillSink(), new=new, leaves_prefilled=True, returns_state=True)
@@ -68,7 +76,7 @@ class PrefillModel:
         encoded = b"" if route_only else encode_state(state, self.served.engine.config)
         return self.pb.InferenceResponse(self.outputs.tensors(
             _h19=turn.pooled.numpy(), _state=encoded, _transfer_meta=TransferMeta(state.length).to_tensor().numpy(),
-            _conversation_id=turn.conversation_id))
+            _conversation_id=turn.conversation_id, _prompt_tokens=turn.prompt_tokens))
 
 
 class PrefillSink:

@@ -8,15 +8,17 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from ced.families import read_config
+from ced.tokenization import ChatTokenizer
 
 from ..core.seal import Sealer
 from ..core.settings import ServingSettings, triton_parameters
 from .bls import bls_call
-from .front import PASSED_ON, Relay
+from .front import PASSED_ON, STATELESS, Relay
 from .metrics import Counters
 from .triton_io import Outputs, failure_response, optional, requested_outputs, require_decoupled, response
 
-FIELDS = ("text_input", "conversation_id", "adapter", *PASSED_ON)
+# a stateful turn's text (or its ids, as the Responses API sends them), or a stateless request's whole chat / prompt
+FIELDS = ("text_input", "_text_ids", *STATELESS, "conversation_id", "adapter", *PASSED_ON)
 
 
 class RelayModel:
@@ -30,7 +32,8 @@ class RelayModel:
         store = settings.open_store(config)  # this server's idle timeout and limits
         self.counters = Counters(pb, "relay")  # the bytes of state on the wire, each way
         self.relay = Relay(bls_call(pb), store, parameters["router_model"], parameters["decode_url"],
-                           parameters["decode_model"], Sealer.from_environment(), count=self.counters.count)
+                           parameters["decode_model"], Sealer.from_environment(), count=self.counters.count,
+                           tokenizer=ChatTokenizer(settings.model_dir))
         # Turns wait on the decode server: many run at once, each in its own thread.
         self.pool = ThreadPoolExecutor(max_workers=int(parameters.get("max_turns_in_flight", "64")))
 

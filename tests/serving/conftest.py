@@ -19,6 +19,7 @@ from mol2_router.head import PointerHead
 from mol2_router.router import MoL2Router
 from python_backend.server.launcher import Ports, running
 from python_backend.server.repo_build import build
+from python_backend.server.roles import build_prefill_repository, decode_models
 from python_backend.core.seal import SECRET_VARIABLE, create_secret_file
 from python_backend.core.settings import ROOT
 
@@ -80,3 +81,15 @@ def repository(served_dir):
 def server(start_server, repository):
     with start_server(repository) as ports:
         yield ports
+
+
+@pytest.fixture(scope="session")
+def disaggregated(start_server, repository, served_dir):
+    """A disaggregated pair, (prefill, decode): the decode models on one server, the relays on the other (shared by
+    test_disaggregated.py and test_openai_disaggregated.py, so it starts once)."""
+    decode_args = ["--model-control-mode=explicit", *(f"--load-model={m}" for m in decode_models(repository))]
+    with start_server(repository, store="decode-store", extra_args=decode_args, log="decode.log") as decode:
+        prefill_repository = served_dir / "prefill_repository"
+        build_prefill_repository(repository, prefill_repository, decode.grpc_url)
+        with start_server(prefill_repository, store="prefill-store", log="prefill.log") as prefill:
+            yield prefill, decode

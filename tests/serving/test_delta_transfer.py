@@ -126,7 +126,8 @@ class Pair:
             full = encode_state(state, self.engine.config)
             self.full = full
             return {"_h19": np.zeros(4, np.float32), "_state": np.frombuffer(full, np.uint8),
-                    "_transfer_meta": np.array([state.length, BASE]), "_conversation_id": text(conversation_id)}
+                    "_transfer_meta": np.array([state.length, BASE]), "_conversation_id": text(conversation_id),
+                    "_prompt_tokens": np.array([inputs["_text_ids"].size], np.int32)}
         if model == "router":
             adapter = _text(inputs["adapter"]) if "adapter" in inputs else None
             adapter_hash = BASE if adapter is None else self.adapter_set.by_name(adapter).hash

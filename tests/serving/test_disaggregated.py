@@ -15,22 +15,10 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from python_backend.server.roles import build_prefill_repository, decode_models
-
 from test_triton import generate, metric_totals, post, stream_events
 
 TURNS = [("hello there", "chat"), ("route this one", None), ("write a loop", "coding"), ("and now?", "base"),
          ("route again", None)]
-
-
-@pytest.fixture(scope="module")
-def disaggregated(start_server, repository, served_dir):
-    decode_args = ["--model-control-mode=explicit", *(f"--load-model={m}" for m in decode_models(repository))]
-    with start_server(repository, store="decode-store", extra_args=decode_args, log="decode.log") as decode:
-        prefill_repository = served_dir / "prefill_repository"
-        build_prefill_repository(repository, prefill_repository, decode.grpc_url)
-        with start_server(prefill_repository, store="prefill-store", log="prefill.log") as prefill:
-            yield prefill, decode
 
 
 def conversation(ports, turns, model="mol2", end=True) -> list[dict]:

@@ -290,7 +290,8 @@ def test_decode(pb, config):
     assert model.scheduler is not None  # the torch engine: every turn is a handed turn of one batched loop
     fail_when(model.served.store, "save", lambda conversation_id, state: conversation_id == "c3")  # after its tokens
     asked = ("_ids", "_fresh", "_last", "output_tokens")  # decoupled: only these may be sent
-    everything = tuple(set(declared(config("decode"))) - {"_state_out", "_state_seal"})  # as the ensemble asks
+    # as the ensemble asks; `logprobs` comes only when the request asks for them, as the engine model's
+    everything = tuple(set(declared(config("decode"))) - {"_state_out", "_state_seal", "logprobs"})
     streamed, whole = decode_request(pb, config, "c1", asked, stream=True), decode_request(pb, config, "c2", everything)
     unsealed = decode_request(pb, config, "c9")
     unsealed.inputs.pop("_seal")
@@ -329,7 +330,7 @@ def test_decode_returns_the_state_to_a_prefill_server(pb, config):
     assert model.idle()
     (answer, flags), (state, final) = request.sender.sent
     assert (flags, final) == (0, FINAL)
-    assert_outputs(answer, config("decode"), set(wanted) - {"_state_out", "_state_seal"})
+    assert_outputs(answer, config("decode"), set(wanted) - {"_state_out", "_state_seal", "logprobs"})
     assert_outputs(state, config("decode"), {"_state_out", "_state_seal"})
     assert not model.served.store.exists("c1")  # the prefill server owns the store
     sent = request.inputs["_state"].as_numpy().nbytes  # a whole state came; a delta on it goes back; both counted

@@ -53,7 +53,8 @@ def relay_parts(engine, tmp_path):
         if model == "prefill":  # checks the seal as the prefill model does (the relay takes the turn lock)
             SEALER.check(PREFILL, inputs["_seal"][0].decode(), **prefill_fields(None, False, inputs["_text_ids"]))
             return {"_h19": np.zeros(4, np.float32), "_state": np.zeros(1, np.uint8),
-                    "_transfer_meta": np.array([12, 0]), "_conversation_id": text("c1")}
+                    "_transfer_meta": np.array([12, 0]), "_conversation_id": text("c1"),
+                    "_prompt_tokens": np.array([3], np.int32)}
         if model == "router":
             return {"_routed_meta": np.array([12, 0]), "_route_scores": text("{}"), "_route_adapter": text("base")}
         assert model == "detokenize"

@@ -8,7 +8,8 @@
 
 `model` names the adapter: an adapter of the set, `mol2` (the base model), `auto` (routed by MoL2 inside the engine)
 or `mol2:ADAPTER`. Triton stays the engine: every request is one gRPC stream to `engine`, which renders the messages
-with the model's chat template and serves them through its prefix cache.
+with the model's chat template and serves them through its prefix cache (on a disaggregated prefill server, to the
+`mol2` relay, which renders them alike and decodes on the decode server: OpenAISettings.engine_model).
 """
 
 from .app import OpenAISettings, create_app

@@ -80,6 +80,9 @@ class OpenAISettings:
     allowed_origins: tuple[str, ...] = ()  # CORS: origins whose pages may call this API ("*": any); none: no CORS
     max_n: int = DEFAULT_MAX_N  # choices one chat / completions request may ask for (`n`); more: 400
     max_stored_responses: int = 1024  # responses kept for previous_response_id and GET; the oldest dropped first
+    # the decoupled model every request streams to: a single server's `engine`; on a disaggregated prefill server,
+    # a relay (`mol2`), which takes the same inputs and hands decode to the decode server
+    engine_model: str = "engine"
 
 
 def resolve_model(name: str, manager: AdapterManager) -> str | None:
@@ -178,7 +181,7 @@ def model_version() -> str:
 def create_app(settings: OpenAISettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine = EngineClient(settings.grpc_url)
+        engine = EngineClient(settings.grpc_url, settings.engine_model)
         try:
             await engine.connect()
             served = ServingSettings.from_parameters(engine.parameters)

@@ -1,6 +1,6 @@
 """The front end's one connection to Triton: each OpenAI request is one gRPC stream to the decoupled `engine` model
-(one response per token), on a single asyncio channel, so concurrent requests reach the engine together and its
-scheduler batches them.
+(one response per token; on a disaggregated prefill server the `mol2` relay, which takes the same inputs), on a single
+asyncio channel, so concurrent requests reach the engine together and its scheduler batches them.
 
 The stream ends when the server has sent the request's last response (the request side is closed after the one
 request). Leaving the stream early (a stop string matched, the HTTP client went away) cancels the gRPC call, which
