@@ -27,9 +27,12 @@ from .supervisor import Peer, Supervisor, free_loopback_port
 
 
 def prepare_demo(folder: str | None = None) -> Path:
-    """The served model: `--demo FOLDER` (a demo folder or its model/), else the demo every command uses
-    (ced/demo.py), the one the Triton models find too."""
+    """The served model: `--demo FOLDER` (a demo folder or its model/), else MOL2_MODEL_DIR where the operator set
+    it, else the demo every command uses (ced/demo.py): the one the Triton models find too."""
     from ced.demo import resolve_demo
+
+    if folder is None and os.environ.get("MOL2_MODEL_DIR"):
+        return Path(os.environ["MOL2_MODEL_DIR"])
 
     demo = resolve_demo(folder)  # the untrained one is built here, once, before the model processes start
     print(demo.describe())
@@ -176,7 +179,8 @@ def serve(args: argparse.Namespace) -> None:
     env = {**engine_settings(args, model_dir), **secret_settings(args), **limit_env}
     if "MOL2_MODEL_DIR" in env:  # the OpenAI front end, in this process, resolves the model as the engine does
         os.environ["MOL2_MODEL_DIR"] = env["MOL2_MODEL_DIR"]
-    print(f"serving {model_dir} (adapters: {model_dir.parent / 'adapter_set.json'}); role {args.role}; engine "
+    adapter_set = os.environ.get("MOL2_ADAPTER_SET") or model_dir.parent / "adapter_set.json"
+    print(f"serving {model_dir} (adapters: {adapter_set}); role {args.role}; engine "
           f"{args.engine}; store {env['MOL2_STORE_DIR']}; log: {args.log}")
     # tritonserver listens on loopback ports of its own, behind the guards (HTTP: guard.py, gRPC: grpc_guard.py); its
     # gRPC port is chosen once and kept over restarts, so the OpenAI front end's connection to it outlives them
