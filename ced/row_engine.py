@@ -3,8 +3,9 @@ CEDEngine's interface: the exported graphs (ONNX Runtime, TensorRT) and the deep
 scheduler drives either kind, so a turn runs in one loop whatever runs the model: admission, the prefix cache,
 streaming, cancellation, the journal.
 
-A batch's rows run one after another, each its own call: no batching speed-up on the model's side, but every
-active turn moves on each step, where one turn at a time used to hold every other turn back until it ended.
+A batch's rows run one after another, each its own call (prefill and replay always; decode steps too unless the
+engine steps many conversations in one pass, as V41Engine.step_rows does): every active turn moves on each step,
+where one turn at a time used to hold every other turn back until it ended.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class StateRow:
 
 
 class RowEngine:
-    """Over any engine with CEDEngine's interface, of any model family (its state verbs: ced.families)."""
+    """Over any engine with CEDEngine's interface, of any model family (its state verbs: ced.families). An engine
+    with `step_rows(states, tokens, adapters)` (V41Engine) runs a step of several rows in one call."""
 
     def __init__(self, engine: CEDEngine):
         self.engine, self.model, self.config, self.adapters = engine, engine.model, engine.config, engine.adapters
@@ -88,6 +90,9 @@ class RowEngine:
         return torch.stack([logits for logits, _ in done]), [replayed for _, replayed in done]
 
     def step(self, rows: list[StateRow], tokens: list[int], adapters: list[str | None]) -> Tensor:
+        step_rows = getattr(self.engine, "step_rows", None)  # one pass over the batch, where the engine has it
+        if step_rows is not None and len(rows) > 1:
+            return step_rows([row.state for row in rows], tokens, adapters)
         return torch.stack([self.engine.step(row.state, token, adapter)
                             for row, token, adapter in zip(rows, tokens, adapters)])
 

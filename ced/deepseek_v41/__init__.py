@@ -3,9 +3,10 @@
 `config` holds the shape (`V41Config`, presets, per-layer roles, parameter counts); `model` the plain-torch model
 whose `state_dict()` carries the release's native tensor names; `state` one conversation's windows and global KV
 (the cache the model reads and writes); `conversation` the reference serial path (prefill, bounded replay, step);
-`adapters` the placement rule and LoRA on the native names; `quant` and `checkpoint` the release's FP8/FP4 formats
-and sharded safetensors. The family is registered in `ced.families`. Facts and sources:
-../shared/reference/deepseek_v41.md.
+`engine` the serving engine and `batch` its decode step of many conversations in one pass; `adapters` the
+placement rule and LoRA on the native names (one adapter per call, or per batch row); `quant` and `checkpoint`
+the release's FP8/FP4 formats and sharded safetensors. The family is registered in `ced.families`. Facts and
+sources: ../shared/reference/deepseek_v41.md.
 """
 
 from .config import V41Config, V41ConfigError, parameter_counts

@@ -11,14 +11,18 @@ layer E's `ffn` allowed; any adaptable module of layers E+1..L-1; `mtp.*` (DSpar
 
 LoRA is applied from outside the model (`attach_lora` wraps those Linears, keeping their parameter names, so the
 model's `state_dict()` does not change); `V41AdapterSet.use(name)` picks the adapter every wrapped module adds
-for the next calls (one adapter per call: this reference path does not mix adapters within a batch).
+for the next calls (one adapter per call), `V41AdapterSet.use_rows(names)` one adapter per batch row for a
+decode step (`RowAdapters`: ced.lora's `LoRAMapping` of active slots and a row mask, over this set's adapters).
 `V41AdapterRegistry` gives the set the registry API the server drives (`ced.adapters.AdapterRegistry`'s).
 """
 
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +30,9 @@ from torch import Tensor, nn
 
 from ..adapters import (AdapterError, AdapterRecord, AdapterRegistry, PeftAdapter, PlacementError,
                         UnknownAdapterError, read_peft_adapter)
+from ..lora import LoRAMapping
 from .config import V41Config
-from .model import DeepseekV41ForCausalLM, GroupedLinear
+from .model import DeepseekV41ForCausalLM, GroupedLinear, MoE
 
 _LAYER = re.compile(r"^layers\.(?P<layer>\d+)\.(?P<rest>.+)$")
 _ADAPTABLE = re.compile(r"^(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)"
@@ -66,11 +71,36 @@ def placement_violation(module: str, config: V41Config) -> str | None:
     return None
 
 
-class LoRALinear(nn.Module):
-    """A Linear (or GroupedLinear) plus the active adapter's low-rank delta. Keeps the base's `weight` under its
-    own name; the adapters live outside the state dict."""
+@dataclass
+class RowAdapters:
+    """One adapter per batch row, for calls of one token per row (a decode step): ced.lora's `LoRAMapping` (the
+    active slots, the row mask) over the set's adapters numbered in `names`' order. Every wrapped module of a set
+    reads the same object."""
 
-    def __init__(self, base: nn.Linear):
+    mapping: LoRAMapping = field(default_factory=LoRAMapping)
+    names: tuple[str, ...] = ()  # mapping slot -> adapter name
+    rank: int = 0  # each slot's block in the stacked A and B: the widest rank loaded
+    expert_rows: Tensor | None = None  # inside a routed expert's call: the batch row of each token it computes
+
+    @property
+    def in_use(self) -> bool:
+        return self.mapping.host_slots is not None
+
+    @contextmanager
+    def tokens(self, token: Tensor) -> Iterator[None]:
+        """MoE.token_scope: a routed expert computes only the tokens routed to it (one token per row: token = row)."""
+        self.expert_rows = token
+        try:
+            yield
+        finally:
+            self.expert_rows = None
+
+
+class LoRALinear(nn.Module):
+    """A Linear (or GroupedLinear) plus the low-rank delta of the active adapter (`active`), or of each row's own
+    (`rows`, when in use). Keeps the base's `weight` under its own name; the adapters live outside the state dict."""
+
+    def __init__(self, base: nn.Linear, rows: RowAdapters | None = None):
         super().__init__()
         self.base = [base]  # in a list: not a submodule, so the parameter names stay `<module>.weight`
         self.weight = base.weight
@@ -78,27 +108,73 @@ class LoRALinear(nn.Module):
         self.groups = base.groups if isinstance(base, GroupedLinear) else None
         self.adapters: dict[str, tuple[Tensor, Tensor]] = {}  # name -> A (r, in), B scaled (out, r)
         self.active: str | None = None
+        self.rows = RowAdapters() if rows is None else rows
+        self._stacked: dict[tuple[str, ...], tuple[Tensor, Tensor]] = {}  # names -> their A and B, stacked
+
+    def changed(self) -> None:
+        """An adapter was installed or removed: the stacked copies are stale."""
+        self._stacked.clear()
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.base[0](x)
+        if self.rows.in_use:
+            return self._by_row(x, y)
         if self.active not in self.adapters:
             return y
         a, b = self.adapters[self.active]
-        down = F.linear(x, a.to(x.dtype))  # (..., r), or (..., G, r) for a grouped linear
+        return y + self._up(F.linear(x, a.to(x.dtype)), b.to(x.dtype))  # down: (..., r), or (..., G, r) grouped
+
+    def _up(self, down: Tensor, b: Tensor) -> Tensor:
         if self.groups is None:
-            return y + F.linear(down, b.to(x.dtype))
+            return F.linear(down, b)
         # block g of the delta B A is B's rows of group g times A: each group meets its own rows of B
-        return y + torch.einsum("...gr,gor->...go", down, b.to(x.dtype).view(self.groups, -1, b.shape[1]))
+        return torch.einsum("...gr,gor->...go", down, b.view(self.groups, -1, b.shape[1]))
+
+    def _by_row(self, x: Tensor, y: Tensor) -> Tensor:
+        """Every active adapter's A at once, each row masked to its own block (ced.lora.MultiLoRALinear's way): a
+        row without an adapter, or whose adapter leaves this module alone, adds exact zeros."""
+        rows = self.rows
+        names = tuple(rows.names[slot] for slot in rows.mapping.active)
+        if not any(name in self.adapters for name in names):
+            return y
+        a, b = self._stacked_for(names, rows.rank, x.dtype)  # (U*r, in), (out, U*r)
+        down = F.linear(x, a)  # (..., U*r), or (..., G, U*r) grouped
+        if not rows.mapping.uniform:
+            mask = rows.mapping.row_mask[:, 0]  # (B, U*r)
+            if rows.expert_rows is not None:  # x holds only the tokens routed to this expert
+                mask = mask[rows.expert_rows]
+            down = down * mask.view(mask.shape[0], *[1] * (down.dim() - 2), -1).to(down)
+        return y + self._up(down, b)
+
+    def _stacked_for(self, names: tuple[str, ...], rank: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """A (U*rank, in) and B (out, U*rank) of `names` in order, each padded with zeros to `rank` (zeros too for
+        an adapter that leaves this module alone); kept until an adapter changes."""
+        if names not in self._stacked:
+            if len(self._stacked) >= 16:  # a few recent sets (mixed batches could make 2**adapters of them)
+                del self._stacked[next(iter(self._stacked))]
+            a = self.weight.new_zeros(len(names), rank, self.in_features, dtype=dtype)
+            b = self.weight.new_zeros(self.out_features, len(names), rank, dtype=dtype)
+            for i, name in enumerate(names):
+                if name in self.adapters:
+                    a_i, b_i = self.adapters[name]
+                    a[i, : a_i.shape[0]], b[:, i, : a_i.shape[0]] = a_i, b_i
+            self._stacked[names] = (a.flatten(0, 1), b.flatten(1))
+        return self._stacked[names]
 
 
-def attach_lora(model: DeepseekV41ForCausalLM) -> dict[str, LoRALinear]:
-    """Wrap every module the placement rule allows; returns them by native name."""
+def attach_lora(model: DeepseekV41ForCausalLM, rows: RowAdapters | None = None) -> dict[str, LoRALinear]:
+    """Wrap every module the placement rule allows; returns them by native name. With `rows`, every wrapped
+    module reads it, and each MoE with wrapped routed experts tells it which tokens an expert computes."""
     wrapped = {}
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and placement_violation(name, model.config) is None:
             parent_name, _, child = name.rpartition(".")
-            wrapped[name] = LoRALinear(module)
+            wrapped[name] = LoRALinear(module, rows)
             setattr(model.get_submodule(parent_name), child, wrapped[name])
+    if rows is not None:
+        for name, module in model.named_modules():
+            if isinstance(module, MoE) and any(key.startswith(f"{name}.experts.") for key in wrapped):
+                module.token_scope = rows.tokens
     return wrapped
 
 
@@ -107,7 +183,8 @@ class V41AdapterSet:
 
     def __init__(self, model: DeepseekV41ForCausalLM):
         self.model, self.config = model, model.config
-        self.modules = attach_lora(model)
+        self.rows = RowAdapters()
+        self.modules = attach_lora(model, self.rows)
         self.names: dict[str, PeftAdapter] = {}
 
     def check(self, path: str | Path) -> PeftAdapter:
@@ -139,6 +216,7 @@ class V41AdapterSet:
         """Put a checked adapter under `name`, in place of whatever `name` held (a replace)."""
         for module in self.modules.values():
             module.adapters.pop(name, None)
+            module.changed()
         for module, (a, b) in adapter.weights.items():
             self.modules[native_name(module)].adapters[name] = (a, b)
         self.names[name] = adapter
@@ -148,6 +226,7 @@ class V41AdapterSet:
             raise UnknownAdapterError(f"unknown adapter {name!r} (loaded: {', '.join(sorted(self.names)) or 'none'})")
         for module in self.modules.values():
             module.adapters.pop(name, None)
+            module.changed()
             if module.active == name:  # no name left dangling: the base model until the next use()
                 module.active = None
         del self.names[name]
@@ -158,6 +237,24 @@ class V41AdapterSet:
             raise UnknownAdapterError(f"unknown adapter {name!r} (loaded: {', '.join(sorted(self.names)) or 'none'})")
         for module in self.modules.values():
             module.active = name
+
+    @contextmanager
+    def use_rows(self, names: list[str | None]) -> Iterator[None]:
+        """Row b of the next calls (one token per row) adds adapter names[b]'s delta (None: the base model), for
+        the duration of the block; an unknown name fails before any work."""
+        for name in names:
+            if name is not None and name not in self.names:
+                raise UnknownAdapterError(f"unknown adapter {name!r} (loaded: "
+                                          f"{', '.join(sorted(self.names)) or 'none'})")
+        order = tuple(self.names)
+        self.rows.names = order
+        self.rows.rank = max((adapter.rank for adapter in self.names.values()), default=1)
+        self.rows.mapping.set_rows([-1 if name is None else order.index(name) for name in names], len(order),
+                                   self.rows.rank, self.model.embed.weight.dtype)
+        try:
+            yield
+        finally:
+            self.rows.mapping.clear()
 
 
 class V41AdapterRegistry(AdapterRegistry):

@@ -4,7 +4,8 @@ family's exported graphs.
 
 A turn is `prefill` (the new tokens through the adapter-free shared stage: layers 0..E-1 and layer E's attention;
 never the history again), `replay` (layer E's FFN and layers E+1..L-1 over the last W positions under the turn's
-adapter: a switch costs what a continue costs), then one `step` per token. Each call selects its adapter for that
+adapter: a switch costs what a continue costs), then one `step` per token; `step_rows` steps many conversations,
+each under its own adapter, in one pass of the model (ced.deepseek_v41.batch). Each call selects its adapter for that
 call only, so consecutive calls on different conversations may name different adapters. The arithmetic is the
 reference serial path's (`V41Conversation`), on the state the server stores (`V41ConversationState`).
 """
@@ -20,6 +21,7 @@ from torch import Tensor
 from ..engine import CEDEngine, EngineStats, StateError, check_tokens
 from ..state import Selection
 from .adapters import V41AdapterRegistry, V41AdapterSet
+from .batch import step_rows
 from .model import DeepseekV41ForCausalLM, SharedOutput
 from .state import V41AdapterState, V41ConversationState, empty_state
 
@@ -91,9 +93,8 @@ class V41Engine:
         self.stats.replayed_positions += n
         return logits, n
 
-    @torch.inference_mode()
-    def step(self, state: V41ConversationState, token: int, adapter: str | None) -> Tensor:
-        """Append one token (both stages) under the adapter whose windows are current; returns logits (V,)."""
+    def _check_step(self, state: V41ConversationState, token: int, adapter: str | None) -> list[int]:
+        """What a step of `token` under `adapter` needs: a token in range, the adapter-bound windows current."""
         tokens = check_tokens(self.config, state.length, [token])
         bound = state.bound
         if bound.length != state.length or bound.adapter != adapter:
@@ -102,12 +103,37 @@ class V41Engine:
         if bound.digest != self.adapters.digest(adapter):
             raise StateError(f"adapter {adapter!r} now holds other weights than those its windows were built with "
                              "(replaced since, or never built): call replay first")
+        return tokens
+
+    @torch.inference_mode()
+    def step(self, state: V41ConversationState, token: int, adapter: str | None) -> Tensor:
+        """Append one token (both stages) under the adapter whose windows are current; returns logits (V,)."""
+        tokens = self._check_step(state, token, adapter)
+        bound = state.bound
         with self._using(adapter):
             out = self._shared_stage(state, tokens)
             hidden = self.model.run_decoder(out, state.length - 1, bound.windows, state.shared.stores)
             logits = self.model.logits(hidden)[0, -1]
         bound.length = state.length
         self.stats.decoded_tokens += 1
+        return logits
+
+    @torch.inference_mode()
+    def step_rows(self, states: list[V41ConversationState], tokens: list[int],
+                  adapters: list[str | None]) -> Tensor:
+        """`step` of every row in one pass of the model, each under its own adapter: logits (B, V). Every row is
+        checked before any is touched; each row's logits equal its own `step`'s within float tolerance."""
+        if len({id(state) for state in states}) != len(states):
+            raise StateError("a conversation appears twice in one step")
+        for adapter in adapters:
+            self.adapters.slot_of(adapter)  # an unknown adapter is named as such, before any row is touched
+        for state, token, adapter in zip(states, tokens, adapters, strict=True):
+            self._check_step(state, token, adapter)
+        with self.adapter_set.use_rows(adapters):
+            logits = self.model.logits(step_rows(self.model, states, tokens))[:, -1]  # (B, V)
+        for state in states:
+            state.bound.length = state.length
+        self.stats.decoded_tokens += len(states)
         return logits
 
     # CEDEngine's own: they need only prefill, replay, step, adapters, config.max_context and state.shared.tokens

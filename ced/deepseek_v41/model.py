@@ -11,8 +11,9 @@ of its group's source; a learnable sink per head; then a MoE FFN. The forward is
 - `decoder_stage`: layer E's FFN and layers E+1..L-1 from layer E's post-attention streams, under whatever
   adapter is applied from outside (`ced.deepseek_v41.adapters`).
 
-Both read and write conversation state only through `ced.deepseek_v41.state.V41Cache`. `forward(input_ids)` runs
-both over the whole sequence in chunks: the oracle.
+Both read and write conversation state only through `ced.deepseek_v41.state.V41Cache` (or its verbs over many
+conversations at their own positions, `ced.deepseek_v41.batch.RowsCache`: a batched decode step).
+`forward(input_ids)` runs both over the whole sequence in chunks: the oracle.
 
 Rules this file pins where the reference leaves them open (choices made here, not read from a source):
 - Ties in every top-k (indexer entries, candidate blocks) go to the most recent entry (`ced.model.top_k_recent`,
@@ -38,7 +39,9 @@ from __future__ import annotations
 
 import logging
 import math
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -105,8 +108,10 @@ def rope_tables(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def rope_for(inv_freqs: dict[str, Tensor], positions: Tensor) -> dict[str, tuple[Tensor, Tensor, Tensor]]:
-    """{"main"|"compress": (inv_freq, cos, sin)} at positions (1, T): what a stage's layers share."""
-    return {kind: (inv_freq, *rope_tables(positions[0], inv_freq)) for kind, inv_freq in inv_freqs.items()}
+    """{"main"|"compress": (inv_freq, cos, sin)} at positions (1, T) shared by the rows (cos/sin (T, R/2)), or
+    (B, T) of each row's own (a batched decode step: cos/sin (B, T, R/2)): what a stage's layers share."""
+    rows = positions[0] if positions.shape[0] == 1 else positions
+    return {kind: (inv_freq, *rope_tables(rows, inv_freq)) for kind, inv_freq in inv_freqs.items()}
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
@@ -302,8 +307,9 @@ class Attention(nn.Module):
 
     def forward(self, xn: Tensor, positions: Tensor, rope: dict, cache: V41Cache, selection: Selection | None,
                 pool: Selection | None, last_only: bool = False):
-        """xn: (B, T, C) normed input at positions (1, T); the cache holds what precedes them. Every position's
-        latent goes to the window; with `last_only` only the last position queries: output (B, 1, C).
+        """xn: (B, T, C) normed input at positions (1, T) (or (B, T): each row's own, a batched step); the cache
+        holds what precedes them. Every position's latent goes to the window; with `last_only` only the last
+        position queries: output (B, 1, C).
         `rope`: {"main"|"compress": (inv_freq, cos, sin)} at these positions. Returns (out, selection, pool)."""
         role, config = self.role, self.config
         inv_freq, cos, sin = rope[role.rope]
@@ -311,21 +317,22 @@ class Attention(nn.Module):
         kv = apply_rope(self.kv_norm(self.wkv(xn)), cos, sin)  # (B, T, D): K = V
         if self.compressor is not None:  # first: this chunk's complete groups are visible to its own queries
             cache.compress(role.index, xn, lambda groups, first: self.pool_groups(groups, first, inv_freq))
-        keys, key_pos = cache.extend_window(role.index, kv, positions)  # (B, S, D), (1, S)
+        keys, key_pos = cache.extend_window(role.index, kv, positions)  # (B, S, D), (1 or B, S)
         if last_only:
-            xn, q_residual, positions, cos, sin = xn[:, -1:], q_residual[:, -1:], positions[:, -1:], cos[-1:], sin[-1:]
+            xn, q_residual, positions = xn[:, -1:], q_residual[:, -1:], positions[:, -1:]
+            cos, sin = cos[..., -1:, :], sin[..., -1:, :]
             selection, pool = _last(selection), _last(pool)
         B, T, _ = xn.shape
         H, D = config.num_attention_heads, config.head_dim
-        q = apply_rope(self.wq_b(q_residual).view(B, T, H, D), cos[:, None], sin[:, None])  # (B, T, H, D)
+        q = apply_rope(self.wq_b(q_residual).view(B, T, H, D), cos.unsqueeze(-2), sin.unsqueeze(-2))  # (B, T, H, D)
         source = role.kv_source
         has_entries = source is not None and cache.has_entries(source)
         if role.is_index_source and has_entries and role.uses_candidates and pool is not None:
             selection = self.indexer.select_in_pool(xn, q_residual, cache.index_keys(source), cos, sin, positions,
-                                                    cache.stores[source].ratio, pool)  # inside the candidate blocks
+                                                    cache.ratio(source), pool)  # inside the candidate blocks
         elif role.is_index_source and has_entries:  # a new choice over the source's entries
             scores = self.indexer.scores(xn, q_residual, cache.index_keys(source), cos, sin)
-            selection, new_pool = self.indexer.select(scores, positions, cache.stores[source].ratio, pool)
+            selection, new_pool = self.indexer.select(scores, positions, cache.ratio(source), pool)
             pool = new_pool if role.is_candidate_source else pool
 
         scale = D ** -0.5
@@ -343,7 +350,7 @@ class Attention(nn.Module):
         out = torch.matmul(probs[..., : local.shape[-1]], keys.unsqueeze(1))  # (B, H, T, D)
         if len(logits) > 1:
             out = out + torch.einsum("bhtk,btkd->bhtd", probs[..., local.shape[-1]: -1], picked)
-        out = apply_rope(out.transpose(1, 2), cos[:, None], sin[:, None], inverse=True)  # (B, T, H, D)
+        out = apply_rope(out.transpose(1, 2), cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)  # (B, T, H, D)
         return self.grouped_output(out.flatten(2)), selection, pool
 
 
@@ -392,9 +399,16 @@ class Gate(nn.Module):
         return ids, weights * config.routed_scaling_factor
 
 
+def _no_scope(token: Tensor) -> AbstractContextManager:
+    return nullcontext()
+
+
 class MoE(nn.Module):
     def __init__(self, config: V41Config):
         super().__init__()
+        # entered around each routed expert's call with the tokens (of the flattened batch) it computes: how a
+        # per-row feature applied from outside (per-row LoRA, ced.deepseek_v41.adapters) learns whose rows they are
+        self.token_scope: Callable[[Tensor], AbstractContextManager] = _no_scope
         C, F_ = config.hidden_size, config.moe_intermediate_size
         self.gate = Gate(config)
         self.experts = nn.ModuleList(Expert(C, F_, config.swiglu_limit) for _ in range(config.n_routed_experts))
@@ -407,7 +421,9 @@ class MoE(nn.Module):
         routed = torch.zeros_like(flat)
         for e in ids.unique().tolist():  # each chosen expert once, over its tokens
             token, slot = torch.where(ids == e)
-            routed.index_add_(0, token, (self.experts[e](flat[token]) * weights[token, slot, None]).to(flat.dtype))
+            with self.token_scope(token):
+                out = self.experts[e](flat[token])
+            routed.index_add_(0, token, (out * weights[token, slot, None]).to(flat.dtype))
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(flat)
         return routed.view(shape)
@@ -495,7 +511,8 @@ class DeepseekV41ForCausalLM(nn.Module):
     # -- the two stages ------------------------------------------------------------------------------------
 
     def shared_stage(self, input_ids: Tensor, positions: Tensor, cache: V41Cache) -> SharedOutput:
-        """Layers 0..E-1 and layer E's attention over input_ids (B, T) at positions (1, T), appending to cache."""
+        """Layers 0..E-1 and layer E's attention over input_ids (B, T) at positions (1, T) (or (B, T), each row's
+        own: a batched step, ced.deepseek_v41.batch), appending to cache."""
         E, n = self.config.decoder_start, self.config.hc_mult
         B, T = input_ids.shape
         x = self.embed(input_ids).unsqueeze(2).expand(B, T, n, -1).contiguous()  # (B, T, n, C)

@@ -93,12 +93,23 @@ class V41Cache:
     def compress(self, layer: int, xn: Tensor, pool: PoolGroups) -> None:
         """Append the entries of every group that completes with xn (B, T, C); keep the rest pending."""
         store, B = self.stores[layer], xn.shape[0]
+        groups = self.complete_groups(layer, xn)
+        if groups is not None:
+            store.add_entries(*pool(groups, torch.full((B,), store.n_entries, device=xn.device)))
+
+    def complete_groups(self, layer: int, xn: Tensor) -> Tensor | None:
+        """The groups (B, N', r, C) that complete with xn (B, T, C), taken out of the pending inputs (None: no
+        group completes); the rest stays pending. The caller pools them and appends the entries."""
+        store, B = self.stores[layer], xn.shape[0]
         rows = xn if store.pending is None else torch.cat([store.pending, xn], dim=1)
         n_groups = rows.shape[1] // store.ratio
         store.pending = rows[:, n_groups * store.ratio:].clone()
-        if n_groups:
-            groups = rows[:, : n_groups * store.ratio].reshape(B, n_groups, store.ratio, -1)  # (B, N', r, C)
-            store.add_entries(*pool(groups, torch.full((B,), store.n_entries, device=xn.device)))
+        if n_groups == 0:
+            return None
+        return rows[:, : n_groups * store.ratio].reshape(B, n_groups, store.ratio, -1)  # (B, N', r, C)
+
+    def ratio(self, source: int) -> int:
+        return self.stores[source].ratio
 
     def has_entries(self, source: int) -> bool:
         return self.stores[source].n_entries > 0

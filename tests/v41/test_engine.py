@@ -221,7 +221,10 @@ def test_row_engine_drives_the_v41_engine_as_the_engine_itself(engine):
         state = engine.new_conversation()
         assert torch.equal(engine.prefill(state, history), h19[i])
         assert torch.equal(engine.replay(state, adapter)[0], logits[i])
-        assert torch.equal(engine.step(state, [7, 8, 9][i], adapter), step[i])
+        # the step is one pass over the three rows (V41Engine.step_rows): a row's logits within float tolerance
+        # of its own step's (a batched matmul may sum in another order), as tests/v41/test_batched_step.py pins
+        alone = engine.step(state, [7, 8, 9][i], adapter)
+        assert (alone - step[i]).abs().max() <= 1e-5 * alone.abs().max()
         assert rows[i].bound_adapter == adapter and rows[i].tokens == state.shared.tokens
 
 

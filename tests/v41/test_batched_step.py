@@ -1,0 +1,177 @@
+"""V41Engine.step_rows (ced/deepseek_v41/batch.py) steps many conversations in one pass of the model: each row's
+logits and state equal its own serial `step`'s within float tolerance (RTOL = 1e-5 of the largest logit), whatever
+rows, lengths and adapters share the batch; bad rows are refused before any row is touched; RowEngine uses it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from ced.adapters import UnknownAdapterError
+from ced.deepseek_v41.engine import V41Engine
+from ced.deepseek_v41.model import DeepseekV41ForCausalLM
+from ced.deepseek_v41.state import copy_state
+from ced.engine import StateError
+from ced.row_engine import RowEngine
+
+RTOL = 1e-5  # of the row's largest |logit|: a batched matmul may sum in another order than one row's
+ADAPTERS = {"all": lambda n: True, "experts": lambda n: ".experts." in n, "attn": lambda n: ".attn." in n}
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def make_engine(config, tmp_path, random_adapter) -> V41Engine:
+    engine = V41Engine(DeepseekV41ForCausalLM.from_config(config, seed=0), max_adapters=4, max_rank=8)
+    for seed, (name, include) in enumerate(ADAPTERS.items()):
+        rank = 4 + 2 * (seed % 2)  # ranks differ: each adapter's block is padded to the widest
+        engine.adapters.load(name, random_adapter(tmp_path / name, engine.adapter_set.modules, include,
+                                                  rank=rank, seed=seed + 1))
+    return engine
+
+
+@pytest.fixture
+def engine(tmp_path, tiny_v41, random_adapter) -> V41Engine:
+    """v41-tiny (W=8, an encoder source of ratio 2) with three adapters: every module, routed experts only, and
+    attention only (so a row's adapter may leave a module alone while its neighbour's adapts it)."""
+    return make_engine(tiny_v41, tmp_path, random_adapter)
+
+
+def open_rows(engine: V41Engine, lengths: list[int], adapters: list[str | None]) -> list:
+    states = []
+    for i, (n, adapter) in enumerate(zip(lengths, adapters)):
+        state = engine.new_conversation()
+        engine.prefill(state, tokens(i, n))
+        engine.replay(state, adapter)
+        states.append(state)
+    return states
+
+
+def state_tensors(state) -> dict:
+    """Every tensor a conversation holds, by name (None where a part is empty)."""
+    shared, parts = state.shared, {}
+    parts |= {f"window.{i}": w.kv for i, w in shared.windows.items()}
+    parts |= {f"bound.{i}": w.kv for i, w in state.bound.windows.items()}
+    for i, store in shared.stores.items():
+        parts |= {f"{i}.latent": store.latent, f"{i}.index_keys": store.index_keys, f"{i}.pending": store.pending}
+    parts |= {"stream": shared.stream, "pre": shared.pre}
+    for name in ("selection", "pool"):
+        choice = getattr(shared, name)
+        parts |= {f"{name}.idx": choice and choice.idx, f"{name}.valid": choice and choice.valid}
+    return parts
+
+
+def assert_close_states(batched, serial) -> None:
+    assert batched.shared.tokens == serial.shared.tokens
+    assert (batched.bound.adapter, batched.bound.length) == (serial.bound.adapter, serial.bound.length)
+    ours, theirs = state_tensors(batched), state_tensors(serial)
+    assert ours.keys() == theirs.keys()
+    for name, tensor in ours.items():
+        other = theirs[name]
+        assert (tensor is None) == (other is None), name
+        if tensor is None:
+            continue
+        assert tensor.shape == other.shape and tensor.dtype == other.dtype, name
+        if tensor.dtype.is_floating_point and tensor.numel():
+            torch.testing.assert_close(tensor, other, rtol=RTOL, atol=RTOL * other.abs().max().item(), msg=name)
+        else:  # entry numbers and validity: the same choices
+            assert torch.equal(tensor, other), name
+
+
+def assert_close_logits(batched, serial) -> None:
+    for row, (ours, theirs) in enumerate(zip(batched, serial)):
+        scale = theirs.abs().max().item()
+        assert (ours - theirs).abs().max().item() <= RTOL * scale, f"row {row}"
+
+
+def run_both(engine, states, adapters, n_steps, seed=100):
+    """n_steps of step_rows on `states` and of serial steps on copies; asserts logits and states agree."""
+    serial = [copy_state(state) for state in states]
+    for t in range(n_steps):
+        next_tokens = tokens(seed + t, len(states))
+        batched_logits = engine.step_rows(states, next_tokens, adapters)
+        serial_logits = torch.stack([engine.step(s, tok, a) for s, tok, a in zip(serial, next_tokens, adapters)])
+        assert batched_logits.shape == serial_logits.shape
+        assert_close_logits(batched_logits, serial_logits)
+    for ours, theirs in zip(states, serial):
+        assert_close_states(ours, theirs)
+    return serial
+
+
+def test_rows_of_every_length_and_adapter_match_serial_steps(engine):
+    """Lengths below, at and past the window (8) and the candidate pool, odd and even (a pending ratio-2 group or
+    not), each under its own adapter or none: 12 steps in one batch give each row its serial logits and state."""
+    lengths = [1, 2, 5, 8, 9, 17, 30, 31]
+    adapters = [None, "all", "experts", "attn", "all", None, "attn", "experts"]
+    run_both(engine, open_rows(engine, lengths, adapters), adapters, n_steps=12)
+
+
+@pytest.mark.parametrize("adapter", [None, "all"])
+def test_a_batch_of_one_adapter_matches_serial_steps(engine, adapter):
+    """Every row under the same adapter (the mask is skipped) or none (no LoRA computed at all)."""
+    adapters = [adapter] * 4
+    run_both(engine, open_rows(engine, [3, 12, 20, 7], adapters), adapters, n_steps=6)
+
+
+def test_rows_before_their_first_global_entry(tmp_path, tiny_v41, random_adapter):
+    """Encoder source at ratio 4: in one batch a row whose store has no entry yet (no global attention, no
+    top-k) beside rows that have some, until it gets its first."""
+    config = dataclasses.replace(tiny_v41, compress_ratios=(0, 4, 4, 4, 1, 1, 1, 1))
+    engine = make_engine(config, tmp_path, random_adapter)
+    adapters = ["all", None, "experts"]
+    run_both(engine, open_rows(engine, [1, 2, 14], adapters), adapters, n_steps=5)
+
+
+def test_a_row_without_adapter_is_unaffected_by_its_neighbours(engine):
+    """Row 0 runs the base model; its neighbours' adapters (every module, or none) do not move its logits beyond
+    float tolerance of the same row stepped alone."""
+    outs = []
+    for neighbours in (["all", "experts", "attn"], [None, None, None]):
+        adapters = [None, *neighbours]
+        states = open_rows(engine, [11, 6, 19, 4], adapters)
+        alone = copy_state(states[0])
+        batched = engine.step_rows(states, [42, 7, 8, 9], adapters)[0]
+        assert_close_logits([batched], [engine.step(alone, 42, None)])
+        outs.append(batched)
+    assert_close_logits([outs[0]], [outs[1]])
+
+
+def test_bad_rows_are_refused_before_any_row_is_touched(engine):
+    adapters = ["all", "experts"]
+    states = open_rows(engine, [5, 9], adapters)
+    before = [copy_state(state) for state in states]
+    with pytest.raises(StateError, match="replay first"):  # row 1's windows are "experts"'
+        engine.step_rows(states, [1, 2], ["all", "all"])
+    with pytest.raises(UnknownAdapterError):
+        engine.step_rows(states, [1, 2], ["all", "nope"])
+    with pytest.raises(ValueError, match="out of range"):  # a token outside the vocabulary
+        engine.step_rows(states, [1, 10_000], adapters)
+    with pytest.raises(StateError, match="twice"):
+        engine.step_rows([states[0], states[0]], [1, 2], ["all", "all"])
+    for state, copy in zip(states, before):
+        assert_close_states(state, copy)
+        assert state.bound.length == state.length
+    run_both(engine, states, adapters, n_steps=2)  # and the rows still step
+
+
+def test_row_engine_steps_the_batch_in_one_pass(engine):
+    """The scheduler's RowEngine drives V41Engine: a step of 3 rows is one pass of the model (its first layer's
+    attention runs once), with the serial logits."""
+    rows_engine = RowEngine(engine)
+    adapters = ["all", None, "attn"]
+    rows = [rows_engine.open() for _ in adapters]
+    for i, (row, adapter) in enumerate(zip(rows, adapters)):
+        rows_engine.prefill_rows([row], [tokens(i, 4 + 3 * i)])
+        rows_engine.replay([row], [adapter])
+    serial = [copy_state(row.state) for row in rows]
+    passes = []
+    hook = engine.model.layers[0].attn.register_forward_hook(lambda *args: passes.append(1))
+    try:
+        logits = rows_engine.step(rows, [5, 6, 7], adapters)
+    finally:
+        hook.remove()
+    assert len(passes) == 1
+    assert_close_logits(logits, [engine.step(s, tok, a) for s, tok, a in zip(serial, [5, 6, 7], adapters)])
