@@ -458,10 +458,11 @@ def text_of_tokens(tokens: int, tokenizer, root, lead: str = "", wrapped_extra: 
 # -------------------------------------------------------------------------------------------------------- servers
 
 @contextlib.contextmanager
-def demo_server(log_name: str, env: dict[str, str] | None = None):
+def demo_server(log_name: str, env: dict[str, str] | None = None, demo: str | None = None):
     """Our tritonserver on the demo as `mol2 serve` runs it (the committed model_repository/, only the models one
     server needs), fresh loopback ports and a conversation store in a temp folder: yields (ports, store folder).
-    Its log is artifacts/logs/LOG_NAME.log."""
+    `demo`: a demo folder, as `mol2 serve --demo` (default: the one every command uses). Its log is
+    artifacts/logs/LOG_NAME.log."""
     import tempfile
     from pathlib import Path
 
@@ -470,7 +471,8 @@ def demo_server(log_name: str, env: dict[str, str] | None = None):
     from python_backend.server.serve_cli import prepare_demo
     from python_backend.core.settings import ROOT
 
-    model_dir = prepare_demo()
+    model_dir = prepare_demo(demo)
+    chosen = {"MOL2_MODEL_DIR": str(model_dir.resolve())} if demo else {}  # as serve_cli.engine_settings
     repository = ROOT / "model_repository"
     only_these = ["--model-control-mode=explicit", *(f"--load-model={name}" for name in single_server_models(repository))]
     logs = ROOT / "artifacts/logs"
@@ -479,7 +481,8 @@ def demo_server(log_name: str, env: dict[str, str] | None = None):
     with tempfile.TemporaryDirectory(prefix="mol2-store-") as store:
         print(f"starting tritonserver on the demo ({model_dir}); log {logs / f'{log_name}.log'}", flush=True)
         with running(repository, ports, ROOT / "artifacts/triton", logs / f"{log_name}.log",
-                     env={"MOL2_ENGINE": "torch", "MOL2_STORE_DIR": store, **(env or {})}, extra_args=only_these):
+                     env={"MOL2_ENGINE": "torch", "MOL2_STORE_DIR": store, **chosen, **(env or {})},
+                     extra_args=only_these):
             yield ports, Path(store)
 
 

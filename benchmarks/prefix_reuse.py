@@ -14,7 +14,11 @@ cache by adapter, so its other_adapter is a full prefill; ours reuses the adapte
 
 Engines are interleaved context by context (the order alternating); the load average is written beside each row.
 
-    python -m benchmarks.prefix_reuse [--quick] [--json PATH] [--plot PATH] [--no-vllm] [--repeats N]
+`--demo DIR` serves another demo (as `mol2 serve --demo DIR`), e.g. models/demo-v41; every row names its model's
+family (ced, deepseek_v41; vLLM's rows `llama`). vLLM's peer is a Llama of the CED demo's shape and its CPU build does
+not run the deepseek_v41 layout, so with a deepseek_v41 demo it is left out, said so in one line.
+
+    python -m benchmarks.prefix_reuse [--demo DIR] [--quick] [--json PATH] [--plot PATH] [--no-vllm] [--repeats N]
 """
 
 from __future__ import annotations
@@ -35,9 +39,12 @@ CONTEXTS = (2048, 8192)
 QUICK_CONTEXTS = (2048,)
 CASES = ("cold", "same_adapter", "other_adapter")
 ADAPTER_A, ADAPTER_B = "chat", "coding"
-COLUMNS = ["engine", "context_tokens", "case", "ttft_ms", "ttft_ms_min", "ttft_ms_max", "cached_tokens",
+COLUMNS = ["family", "engine", "context_tokens", "case", "ttft_ms", "ttft_ms_min", "ttft_ms_max", "cached_tokens",
            "prompt_tokens", "repeats", "load_avg"]
 HITS = "vllm:prefix_cache_hits"
+PEER_FAMILY = "llama"  # vLLM's model: a Llama of the CED demo's size (benchmarks/peer_vllm.py)
+PEER_SKIPPED = ("vLLM left out: its CPU build does not run the {family} layout (its rows stay on its Llama peer: run "
+                "prefix_reuse without --demo)")
 
 
 def history(tokens: int, tokenizer) -> list[dict]:
@@ -47,10 +54,12 @@ def history(tokens: int, tokenizer) -> list[dict]:
 
 
 class Engine:
-    """One server's OpenAI endpoint: `name` (mol2 | vllm), its model names for adapters A and B."""
+    """One server's OpenAI endpoint: `name` (mol2 | vllm), its model names for adapters A and B, its model's family."""
 
-    def __init__(self, name: str, base: str, models: tuple[str, str], metrics_base: str | None = None):
+    def __init__(self, name: str, base: str, models: tuple[str, str], metrics_base: str | None = None,
+                 family: str = PEER_FAMILY):
         self.name, self.base, self.models, self.metrics_base = name, base, models, metrics_base
+        self.family = family
 
     def hits(self) -> float | None:
         if self.metrics_base is None:
@@ -96,8 +105,8 @@ def measure(engine: Engine, tokenizer, context: int, repeats: int) -> list[dict]
     for case in CASES:
         ms = samples[case]
         hits = [h for h in cached[case] if h is not None]
-        rows.append({"engine": engine.name, "context_tokens": context, "case": case, "ttft_ms": statistics.median(ms),
-                     "ttft_ms_min": min(ms), "ttft_ms_max": max(ms),
+        rows.append({"family": engine.family, "engine": engine.name, "context_tokens": context, "case": case,
+                     "ttft_ms": statistics.median(ms), "ttft_ms_min": min(ms), "ttft_ms_max": max(ms),
                      "cached_tokens": int(statistics.median(hits)) if hits else None,
                      "prompt_tokens": next((p for p in prompts if p is not None), None), "repeats": len(ms),
                      "load_avg": load.load_avg()})
@@ -135,7 +144,7 @@ def targets(rows: list[dict], contexts: tuple[int, ...]) -> list[str]:
     return lines
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], path: str, family: str = "ced") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -156,30 +165,39 @@ def plot(rows: list[dict], path: str) -> None:
         axis.set_ylabel("time to first token (ms)")
         axis.set_title(f"{context // 1024}K tokens of history")
         axis.legend(fontsize=8)
-    figure.suptitle("a whole history resent: cold, same adapter, another adapter (mol2 shares the prefix)", y=1.04)
+    figure.suptitle(f"a whole history resent: cold, same adapter, another adapter (mol2 on the {family} demo shares "
+                    "the prefix)", y=1.04)
     save_figure(figure, path)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="2K only, 2 repeats (a smoke check)")
+    parser.add_argument("--demo", default=None, help="the demo folder to serve (default: the one every command "
+                                                     "uses, ced/demo.py), e.g. models/demo-v41")
     parser.add_argument("--json", help="write the rows as JSON")
     add_plot_option(parser, "artifacts/benchmarks/prefix_reuse.png")
     parser.add_argument("--repeats", type=int, default=None, help="fresh histories per context (default 3; --quick 2)")
     parser.add_argument("--no-vllm", action="store_true", help="measure our server alone")
     args = parser.parse_args(argv)
-    args.plot = plot_path(args)
     contexts = QUICK_CONTEXTS if args.quick else CONTEXTS
     repeats = args.repeats or (2 if args.quick else 3)
     began = time.perf_counter()
 
     from tokenizers import Tokenizer
 
+    from ced.families import family_of
     from python_backend.server.launcher import Ports
     from python_backend.server.openai_api import OpenAIServer, OpenAISettings
     from python_backend.server.serve_cli import prepare_demo
 
-    model_dir = prepare_demo()
+    model_dir = prepare_demo(args.demo)
+    family = family_of(model_dir).name
+    if family != "ced":
+        print(PEER_SKIPPED.format(family=family))
+        args.no_vllm = True
+        args.plot_default = args.plot_default.replace(".png", f"_{family}.png")  # the ced figure stays
+    args.plot = plot_path(args)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     use_vllm = not args.no_vllm and vllm_available()
     if not args.no_vllm and not use_vllm:
@@ -187,11 +205,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     logs = ROOT / "artifacts/logs"
     rows: list[dict] = []
     with contextlib.ExitStack() as stack:
-        ports, _ = stack.enter_context(load.demo_server("prefix_reuse"))
+        ports, _ = stack.enter_context(load.demo_server("prefix_reuse", demo=args.demo))
         front = OpenAIServer(OpenAISettings(ports.grpc_url, model_dir, model_dir.parent / "adapter_set.json"),
                              port=0).start()
         stack.callback(front.stop)
-        engines = [Engine("mol2", front.url, (ADAPTER_A, ADAPTER_B))]
+        engines = [Engine("mol2", front.url, (ADAPTER_A, ADAPTER_B), family=family)]
         if use_vllm:
             peer = build_peer(PEER_ROOT)
             print(f"starting vLLM on the peer ({peer}); log {logs / 'vllm_prefix_reuse.log'}", flush=True)
@@ -218,9 +236,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(line)
     if not use_vllm and not args.no_vllm:
         print(SKIP_MESSAGE)
+    if family != "ced":
+        print(PEER_SKIPPED.format(family=family))
     print(f"\ntook {time.perf_counter() - began:.0f} s; load average now {load.load_avg()}")
     write_json(rows, args.json)
-    plot(rows, args.plot)
+    if args.plot:  # --plot "": no figure
+        plot(rows, args.plot, family)
     return rows
 
 

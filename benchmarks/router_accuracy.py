@@ -13,8 +13,14 @@ that follow no training template; `mol2 router data --freeform-only`). `--route-
 another route prompt on the option side (what serving does with an adapter set whose prompt differs from the trained
 one).
 
-    python -m benchmarks.router_accuracy [--quick] [--json PATH] [--plot PATH] [--checkpoint last|best]
-                                         [--no-harness] [--route-prompt TEXT] [--runs DIR]
+The head the demo ships (DEMO/router, what `auto` routes with; checkpoint `demo`) is scored the same way on the
+demo's own H19. `--demo DIR` chooses the demo, e.g. models/demo-v41 (its H19 pooled over the mHC streams); every row
+names the demo's family (ced, deepseek_v41). `mol2 router train` trains on the ced family only, so for another
+family the run heads are left out (said so) and the harness runs MoL and the demo's head through that family's
+engine.
+
+    python -m benchmarks.router_accuracy [--demo DIR] [--quick] [--json PATH] [--plot PATH]
+                                         [--checkpoint last|best] [--no-harness] [--route-prompt TEXT] [--runs DIR]
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from tqdm import tqdm
 
 from ._report import add_plot_option, markdown_table, paired_difference, plot_path, save_figure, write_json
 
-COLUMNS = ["router", "mode", "checkpoint", "split", "accuracy", "std", "seeds", "n"]
+COLUMNS = ["family", "router", "mode", "checkpoint", "split", "accuracy", "std", "seeds", "n"]
 
 
 def head_predictions(demo, data_dir, kind, checkpoint, modes, progress=False, route_prompt=None, runs_dir=None,
@@ -62,7 +68,7 @@ def head_predictions(demo, data_dir, kind, checkpoint, modes, progress=False, ro
     return out, sets
 
 
-def accuracy_rows(router, predictions, checkpoint) -> list[dict]:
+def accuracy_rows(router, predictions, checkpoint, family="ced") -> list[dict]:
     rows, by_mode = [], defaultdict(lambda: defaultdict(list))
     for (mode, seed), splits in predictions.items():
         for split, pairs in splits.items():
@@ -70,10 +76,48 @@ def accuracy_rows(router, predictions, checkpoint) -> list[dict]:
     for mode in sorted(by_mode):
         for split, runs in by_mode[mode].items():
             accs = [a for _, a, _ in runs]
-            rows.append({"router": router, "mode": mode, "checkpoint": checkpoint, "split": split,
+            rows.append({"family": family, "router": router, "mode": mode, "checkpoint": checkpoint, "split": split,
                          "accuracy": statistics.fmean(accs), "std": statistics.pstdev(accs) if len(accs) > 1 else 0.0,
                          "seeds": len(accs), "n": runs[0][2]})
     return rows
+
+
+def demo_model(demo, family: str):
+    """The demo's model in its family's class (the module the router's H19 is read from)."""
+    if family == "ced":
+        from mol2_router.pipeline import load_model
+
+        return load_model(demo.model_dir)
+    from ced.deepseek_v41.checkpoint import load_checkpoint
+
+    return load_checkpoint(demo.model_dir)[1].eval()
+
+
+def input_embedding(model) -> torch.Tensor:
+    """The token embedding the MoL2 head reads options through (ced: get_input_embeddings; deepseek_v41: embed)."""
+    layer = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.embed
+    return layer.weight.detach().float()
+
+
+def demo_head_predictions(demo, family, data_dir, limits=None, splits=None, progress=False):
+    """{(mode, seed): {split: [(question, predicted name)...]}} of the head the demo ships (DEMO/router), on the
+    demo's own H19 (cached as a run's features are); {} when the demo has no head."""
+    from mol2_router.features import ROUTE_PROMPT, RouteTokenizer
+    from mol2_router.pipeline import OPTIONAL_SPLITS, SPLITS, load_head, load_sets
+    from mol2_router.train import OptionTable, Scorer, predict
+
+    if not (demo.router_dir / "head.safetensors").is_file():
+        return {}
+    head, config, meta = load_head(demo.router_dir)
+    model = demo_model(demo, family)
+    sets = load_sets(model, demo, data_dir, "mol2", config, splits or SPLITS + OPTIONAL_SPLITS, limits=limits,
+                     progress=progress, log=None)
+    prompt = meta.get("route_prompt", ROUTE_PROMPT)
+    table = OptionTable(RouteTokenizer(demo.tokenizer), config.max_option_tokens, prompt)
+    scorer = Scorer(head, input_embedding(model))
+    return {(meta.get("mode", "-"), meta.get("seed", 0)): {
+        split: [(q, q.candidates[p].name) for q, p in zip(rs.questions, predict(scorer, rs, table).tolist())]
+        for split, rs in sets.items()}}
 
 
 def bench_parts(splits: dict[str, list]) -> dict[str, list]:
@@ -99,21 +143,42 @@ def stratified(questions, per_class: int) -> list:
     return [q for label in sorted(by) for q in by[label][:per_class]]
 
 
-def harness(demo, questions, mol_tokens, checkpoint, progress=True) -> dict[str, list]:
-    """The three routers through the engine on the same questions: prefill the turn, then each decides."""
+def family_engine(demo, family: str):
+    """The demo's engine with its adapters: ced as the router pipeline loads it (demo_engine); another family's
+    engine (ced.engines.make_engine) with the demo's domain adapters and its random_l0 (MoL's)."""
+    from mol2_router.pipeline import demo_engine
+
+    if family == "ced":
+        return demo_engine(demo)
+    from ced.engines import make_engine
+
+    engine = make_engine("torch", demo.model_dir, max_adapters=8, max_rank=16)
+    for name, path in {**demo.adapters, "random_l0": demo.adapters_dir / "random_l0"}.items():
+        engine.adapters.load(name, path)
+    return engine
+
+
+def harness(demo, questions, mol_tokens, checkpoint, progress=True, family="ced") -> tuple[dict, list, dict]:
+    """The routers through the engine on the same questions: prefill the turn, then each decides. MoL, the run
+    heads of mode B seed 0 (ced), and the demo's own head where no mol2 run head is. Returns (pairs per router, MoL's
+    first decoded texts, the checkpoint each router's head came from)."""
     from mol2_router import ContextualRouter, MoL2Router, MoLRouter, RouteQuery
     from mol2_router.features import BOS, RouteTokenizer, turn_tokens
-    from mol2_router.pipeline import demo_engine, load_head, run_dir
+    from mol2_router.pipeline import load_head, run_dir
 
-    engine = demo_engine(demo)
+    engine = family_engine(demo, family)
     tok = RouteTokenizer(demo.tokenizer)
-    routers = [MoLRouter(engine, tok, adapter="random_l0", max_tokens=mol_tokens)]
-    for kind in ("mol2", "contextual"):
-        folder = run_dir(demo, kind, "B", 0) / checkpoint
-        if (folder / "head.safetensors").exists():
-            head, config, _ = load_head(folder)
-            routers.append(MoL2Router(head, engine.model.get_input_embeddings().weight, tok) if kind == "mol2"
-                           else ContextualRouter(engine, head, tok, max_option_tokens=config.max_option_tokens))
+    routers, checkpoints = [MoLRouter(engine, tok, adapter="random_l0", max_tokens=mol_tokens)], {"mol": "-"}
+    heads = [(kind, run_dir(demo, kind, "B", 0) / checkpoint, checkpoint) for kind in ("mol2", "contextual")
+             if family == "ced"]
+    heads = [h for h in heads if (h[1] / "head.safetensors").exists()]
+    if not any(kind == "mol2" for kind, _, _ in heads) and (demo.router_dir / "head.safetensors").exists():
+        heads.append(("mol2", demo.router_dir, "demo"))
+    for kind, folder, label in heads:
+        head, config, _ = load_head(folder)
+        routers.append(MoL2Router(head, input_embedding(engine.model), tok) if kind == "mol2"
+                       else ContextualRouter(engine, head, tok, max_option_tokens=config.max_option_tokens))
+        checkpoints[kind] = label
     out = {router.name: [] for router in routers}
     reasons = []
     for q in tqdm(questions, desc="harness (all routers per question)", disable=not progress):
@@ -124,7 +189,7 @@ def harness(demo, questions, mol_tokens, checkpoint, progress=True) -> dict[str,
             out[router.name].append((q, d.adapter))
             if d.reason and len(reasons) < 3:  # MoL's decoded text
                 reasons.append(d.reason)
-    return out, reasons
+    return out, reasons, checkpoints
 
 
 GAP_SPLITS = ("domain.bench", "domain.bench[corpus]", "domain.bench[asks]", "domain.freeform")
@@ -164,7 +229,8 @@ def plot(rows, path):
         labels, values, errors = [], [], []
         for r in rows:
             if r["split"] == split and r["router"] in ("mol2", "contextual"):
-                labels.append(f"{'ctx' if r['router'] == 'contextual' else r['router']}\n{r['mode']}")
+                labels.append(f"{'ctx' if r['router'] == 'contextual' else r['router']}\n{r['mode']}"
+                              + (" (demo)" if r["checkpoint"] == "demo" else ""))
                 values.append(100 * r["accuracy"])
                 errors.append(100 * r["std"])
         for r in rows:
@@ -199,21 +265,40 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--runs", default=None, help="runs folder (default: artifacts/router/runs/<demo>)")
     parser.add_argument("--kinds", nargs="+", default=["mol2", "contextual"], choices=("mol2", "contextual"))
     parser.add_argument("--splits", nargs="+", default=None, help="only these splits (default: all)")
+    parser.add_argument("--demo-head-limit", type=int, default=None,
+                        help="questions per split for the demo's own head, evenly spread (default: all; --quick 200)")
     parser.add_argument("--json", default=None)
     add_plot_option(parser, "artifacts/benchmarks/router_accuracy.png")
     args = parser.parse_args(argv)
-    args.plot = plot_path(args)
     torch.set_num_threads(args.threads)
     if args.quick:
         args.harness_per_class, args.mol_tokens = 3, min(args.mol_tokens, 16)
+        args.demo_head_limit = args.demo_head_limit or 200
 
     from ced.demo import resolve_demo
+    from ced.families import family_of
     from mol2_router.data import read_questions
+    from mol2_router.pipeline import OPTIONAL_SPLITS, SPLITS
 
     demo = resolve_demo(args.demo, args.artifacts)
-    print(demo.describe())
+    family = family_of(demo.model_dir).name
+    print(f"{demo.describe()}; family {family}")
+    if family != "ced":
+        args.plot_default = args.plot_default.replace(".png", f"_{family}.png")  # the ced figure stays
+    args.plot = plot_path(args)
     rows, details = [], []
-    for kind in args.kinds:
+    if family != "ced":
+        print(f"run heads ({', '.join(args.kinds)}) left out: `mol2 router train` trains on the ced family's H19, "
+              f"not {family}'s")
+    limits = {split: args.demo_head_limit for split in SPLITS + OPTIONAL_SPLITS} if args.demo_head_limit else None
+    own = demo_head_predictions(demo, family, args.data, limits, args.splits, progress=True)
+    if own:
+        for splits in own.values():
+            splits.update(bench_parts(splits))
+        rows += accuracy_rows("mol2", own, "demo", family)
+    else:
+        print(f"no router head in {demo.router_dir}")
+    for kind in args.kinds if family == "ced" else ():
         predictions, _ = head_predictions(demo, args.data, kind, args.checkpoint, args.modes,
                                           route_prompt=args.route_prompt if kind == "mol2" else None,
                                           runs_dir=args.runs, splits=args.splits)
@@ -222,7 +307,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             continue
         for splits in predictions.values():
             splits.update(bench_parts(splits))
-        rows += accuracy_rows(kind, predictions, args.checkpoint)
+        rows += accuracy_rows(kind, predictions, args.checkpoint, family)
         gap_table = "mode B against the others, paired over questions (accuracy = gap, 95% interval)"
         details += [{"table": gap_table, **r} for r in mode_gaps(kind, predictions)]
         b = [v for (mode, seed), v in sorted(predictions.items()) if mode == "B"]
@@ -237,14 +322,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 details += [{"table": "per source, generic.test, mode B seed 0", **r}
                             for r in breakdown(kind, b[0]["generic.test"], lambda q: q.source)]
     bench = stratified(read_questions(Path(args.data) / "domain.bench.jsonl"), args.harness_per_class)
-    harnessed, reasons = ({}, []) if args.no_harness else harness(demo, bench, args.mol_tokens, args.checkpoint)
+    harnessed, reasons, checkpoints = ({}, [], {}) if args.no_harness else \
+        harness(demo, bench, args.mol_tokens, args.checkpoint, family=family)
     split = f"domain.bench[harness {len(bench)}]"
     for name, pairs in harnessed.items():
-        rows.append({"router": name, "mode": "B" if name != "mol" else "-", "checkpoint": args.checkpoint if name != "mol"
-                     else "-", "split": split, "accuracy": sum(q.label == p for q, p in pairs) / len(pairs),
+        rows.append({"family": family, "router": name, "mode": "B" if name != "mol" else "-",
+                     "checkpoint": checkpoints[name], "split": split,
+                     "accuracy": sum(q.label == p for q, p in pairs) / len(pairs),
                      "std": 0.0, "seeds": 1, "n": len(pairs)})
         details += [{"table": f"per class, {split}", **r} for r in breakdown(name, pairs, lambda q: q.label)]
-    print(f"\n{demo.describe()}; checkpoint: {args.checkpoint}; MoL: random_l0, up to {args.mol_tokens} tokens"
+    print(f"\n{demo.describe()}; family {family}; checkpoint: {args.checkpoint} (demo: the demo's router/); "
+          f"MoL: random_l0, up to {args.mol_tokens} tokens"
           + (f"; MoL2 route prompt: {args.route_prompt!r}" if args.route_prompt else ""))
     print(markdown_table(rows, COLUMNS))
     for table in dict.fromkeys(d["table"] for d in details):
@@ -254,9 +342,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(markdown_table(chosen, ["router", "group", "n", "accuracy"] + interval))
     if reasons:
         print("\nMoL's first decoded texts:", json.dumps(reasons)[:600])
-    write_json(rows + [{"router": d["router"], "mode": "detail", "split": d["table"], "group": d["group"],
-                        "accuracy": d["accuracy"], "n": d["n"], **{k: d[k] for k in ("low", "high") if k in d}}
-                       for d in details], args.json)
+    write_json(rows + [{"family": family, "router": d["router"], "mode": "detail", "split": d["table"],
+                        "group": d["group"], "accuracy": d["accuracy"], "n": d["n"],
+                        **{k: d[k] for k in ("low", "high") if k in d}} for d in details], args.json)
     if args.plot:
         plot(rows, args.plot)
     return rows

@@ -26,7 +26,15 @@ the measured v41 rows exactly: tests/v41/test_v41_switch_cost.py). The `deepseek
 at bf16 (this engine's layout) and in the release's layout (FP4 global latent and indexer key, FP8 windows) beside
 the tech report's 890 B/token.
 
-    python -m benchmarks.switch_cost [--family ced|deepseek_v41|all] [--quick] [--json PATH] [--plot PATH]
+`--demo DIR` measures a trained demo instead (its family read from DIR/model, ced.families): the demo's own
+weights, rank-16 random adapters on the decoder for the ced family (the baseline's every-layer ones beside them,
+as above), the demo's trained adapters (random_l0 too) for deepseek_v41; adapters visited stop at what it has.
+Its state table holds the demo's measured bytes beside the CED demo's (models/demo, measured), the demo's dims in
+the release's layout (computed) and the flash rows.
+Without `--demo` the seeded random shapes above run (`--family`), as the tables in benchmarks/README.md were made.
+
+    python -m benchmarks.switch_cost [--family ced|deepseek_v41|all | --demo DIR] [--quick] [--json PATH]
+                                     [--plot PATH]
 """
 
 from __future__ import annotations
@@ -125,15 +133,21 @@ class CedBench:
 
     family = "ced"
 
-    def __init__(self, contexts: list[int], n_adapters: int, rank: int, workdir: Path):
-        self.config = CEDConfig.from_name("demo", max_context=max(max(contexts), *STATE_LENGTHS))
-        self.window, self.shape = self.config.window, "demo"
-        self.engine, self.baseline, self.names = self.build(self.config, n_adapters, rank, workdir)
+    def __init__(self, contexts: list[int], n_adapters: int, rank: int, workdir: Path, demo=None):
+        """The `demo` preset at seeded random weights, or a trained `demo`'s own weights (ced.demo.Demo)."""
+        if demo is None:
+            self.config = CEDConfig.from_name("demo", max_context=max(max(contexts), *STATE_LENGTHS))
+            self.shape, self.weights = "demo", lambda: CEDForCausalLM.from_ced(self.config, seed=0)
+        else:
+            self.config = CEDForCausalLM.from_pretrained(demo.model_dir).ced
+            self.shape, self.weights = demo.root.name, lambda: CEDForCausalLM.from_pretrained(demo.model_dir)
+        self.window = self.config.window
+        self.engine, self.baseline, self.names = self.build(self.config, self.weights, n_adapters, rank, workdir)
         self.indexers = IndexerClock(self.engine.model)
 
     @staticmethod
-    def build(config: CEDConfig, n_adapters: int, rank: int, workdir: Path):
-        plain = CEDForCausalLM.from_ced(config, seed=0)  # PEFT wraps plain Linears: make adapters before the engines
+    def build(config: CEDConfig, weights, n_adapters: int, rank: int, workdir: Path):
+        plain = weights()  # PEFT wraps plain Linears: make adapters before the engines
         every_layer = r"model\.layers\.\d+\.(" + "|".join(m.replace(".", r"\.") for m in ATTENTION + FFN) + ")"
         decoder_only = decoder_modules_regex(config, ATTENTION + FFN)
         names = [f"adapter{i}" for i in range(n_adapters)]
@@ -141,8 +155,7 @@ class CedBench:
         for i, name in enumerate(tqdm(names, desc="ced adapters (PEFT)", leave=False)):
             paths[name] = (make_random_adapter(plain, workdir / f"dec{i}", decoder_only, rank, seed=i),
                            make_random_adapter(plain, workdir / f"all{i}", every_layer, rank, seed=i))
-        engine = CEDEngine(CEDForCausalLM.from_ced(config, seed=0), n_adapters, rank)
-        baseline = EveryLayerBaseline(CEDForCausalLM.from_ced(config, seed=0), n_adapters, rank)
+        engine, baseline = CEDEngine(weights(), n_adapters, rank), EveryLayerBaseline(weights(), n_adapters, rank)
         for name, (ours, theirs) in paths.items():
             engine.adapters.load(name, ours)
             baseline.adapters.load(name, theirs)
@@ -171,10 +184,28 @@ class CedBench:
         return sum(history[0].nbytes().values()), history[1].nbytes()
 
     def state_rows(self) -> list[dict]:
-        at = {n: tensor_bytes(self.conversation(history_tokens(self.config.vocab_size, n))) for n in STATE_LENGTHS}
-        per_token, fixed = growth(at)
-        return [dict(family=self.family, shape="demo", dtype=self.config.dtype, how="measured (1K/4K conversation)",
-                     state_bytes_per_token=per_token, fixed_state_bytes=fixed, tech_report_bytes_per_token="")]
+        return [ced_state_row(self.engine, self.shape)]
+
+
+def ced_state_row(engine: CEDEngine, shape: str) -> dict:
+    """A ced engine's measured state bytes: real conversations (prefilled, replayed) at two lengths, subtracted."""
+    def conversation(n: int):
+        state = engine.new_conversation()
+        engine.prefill(state, history_tokens(engine.config.vocab_size, n))
+        engine.replay(state, None)
+        return state
+
+    per_token, fixed = growth({n: tensor_bytes(conversation(n)) for n in STATE_LENGTHS})
+    return dict(family="ced", shape=shape, dtype=engine.config.dtype, how="measured (1K/4K conversation)",
+                state_bytes_per_token=per_token, fixed_state_bytes=fixed, tech_report_bytes_per_token="")
+
+
+def ced_demo_state_row() -> dict:
+    """The CED demo's (models/demo, or whichever ced.demo finds) measured state bytes, for another family's table."""
+    from ced.demo import resolve_demo
+
+    demo = resolve_demo(None)
+    return ced_state_row(CEDEngine(CEDForCausalLM.from_pretrained(demo.model_dir), 1, 16), demo.root.name)
 
 
 # -- the deepseek_v41 family --------------------------------------------------------------------------------------
@@ -238,17 +269,31 @@ class V41Bench:
     family = "deepseek_v41"
 
     def __init__(self, contexts: list[int], n_adapters: int, rank: int, workdir: Path, chunk: int = 256,
-                 config=None):
+                 config=None, demo=None):
+        """v41-bench at seeded random weights with random adapters, or a trained `demo` (ced.demo.Demo) with its
+        own weights and adapters (at most `n_adapters` of them)."""
         from ced.deepseek_v41.adapters import V41AdapterSet
+        from ced.deepseek_v41.checkpoint import load_checkpoint
         from ced.deepseek_v41.model import DeepseekV41ForCausalLM
 
-        self.config = config or v41_bench_config(max(contexts))
-        self.window, self.shape, self.chunk = self.config.sliding_window, "v41-bench", chunk
-        self.model = DeepseekV41ForCausalLM.from_config(self.config, seed=0)
+        if demo is None:
+            self.config = config or v41_bench_config(max(contexts))
+            self.shape, self.model = "v41-bench", DeepseekV41ForCausalLM.from_config(self.config, seed=0)
+        else:
+            self.config, self.model = load_checkpoint(demo.model_dir)
+            self.shape = demo.root.name
+        self.window, self.chunk = self.config.sliding_window, chunk
         self.adapters = V41AdapterSet(self.model)
-        self.names = [f"adapter{i}" for i in range(n_adapters)]
-        for i, name in enumerate(tqdm(self.names, desc="v41 adapters (PEFT)", leave=False)):
-            self.adapters.load(name, random_v41_adapter(workdir / f"v41_{i}", self.adapters.modules, rank, seed=i))
+        if demo is None:
+            self.names = [f"adapter{i}" for i in range(n_adapters)]
+            paths = [random_v41_adapter(workdir / f"v41_{i}", self.adapters.modules, rank, seed=i)
+                     for i in range(n_adapters)]
+        else:
+            folders = [*demo.adapters.values(), demo.adapters_dir / "random_l0"]
+            paths = [f for f in folders if (f / "adapter_config.json").is_file()][:n_adapters]
+            self.names = [f.name for f in paths]
+        for name, path in zip(tqdm(self.names, desc="v41 adapters (PEFT)", leave=False), paths):
+            self.adapters.load(name, path)
         self.adapters.use(None)
         self.decoded = 0  # positions run through the decoder stage since the last reset (counted, not assumed)
         run_decoder = self.model.run_decoder
@@ -301,18 +346,25 @@ class V41Bench:
         rows = []
         self.adapters.use(None)
         tiny = V41Config.from_name("v41-tiny")  # the preset itself (W=8), no adapters: state does not depend on them
-        for shape, model in (("v41-tiny", DeepseekV41ForCausalLM.from_config(tiny, seed=0)), ("v41-bench", self.model)):
+        models = [(self.shape, self.model)] if self.shape != "v41-bench" else \
+            [("v41-tiny", DeepseekV41ForCausalLM.from_config(tiny, seed=0)), ("v41-bench", self.model)]
+        for shape, model in models:
             per_token, fixed = v41_measured_state(model, self.chunk)
             rows.append(dict(family=self.family, shape=shape, dtype=model.config.dtype,
                              how="measured (1K/4K conversation)", state_bytes_per_token=per_token,
                              fixed_state_bytes=fixed, tech_report_bytes_per_token=""))
         flash = V41Config.from_name("deepseek-v4.1-flash")
-        for layout, dtype in (("engine", flash.dtype), ("release-fp4", "fp4 global KV, fp8 windows")):
-            per_token, fixed = v41_state_bytes(flash, layout)
-            rows.append(dict(family=self.family, shape="deepseek-v4.1-flash", dtype=dtype,
+        computed = [("deepseek-v4.1-flash", flash, "engine"), ("deepseek-v4.1-flash", flash, "release-fp4")]
+        if self.shape != "v41-bench":  # a demo: its own dims in the release's layout, beside the flash rows
+            computed.insert(0, (self.shape, self.config, "release-fp4"))
+        for shape, config, layout in computed:
+            per_token, fixed = v41_state_bytes(config, layout)
+            dtype = config.dtype if layout == "engine" else "fp4 global KV, fp8 windows"
+            rows.append(dict(family=self.family, shape=shape, dtype=dtype,
                              how=f"computed ({layout} layout)", state_bytes_per_token=per_token,
                              fixed_state_bytes=fixed,
-                             tech_report_bytes_per_token=TECH_REPORT_BYTES_PER_TOKEN if layout != "engine" else ""))
+                             tech_report_bytes_per_token=TECH_REPORT_BYTES_PER_TOKEN
+                             if shape == "deepseek-v4.1-flash" and layout != "engine" else ""))
         return rows
 
 
@@ -417,7 +469,10 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=[*FAMILIES, "all"], default="all", help="default: %(default)s")
+    parser.add_argument("--family", choices=[*FAMILIES, "all"], default="all",
+                        help="seeded random shapes of these families (default: %(default)s)")
+    parser.add_argument("--demo", help="a trained demo folder instead (models/demo, models/demo-v41): its family, "
+                                       "weights and adapters")
     parser.add_argument("--quick", action="store_true", help="512 and 2K tokens, 4 adapters: a smoke check")
     parser.add_argument("--contexts", type=int, nargs="+", help="context lengths (default 512 2048 8192 32768)")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved timings of the first visit, at contexts up to 8K (default: %(default)s)")
@@ -427,19 +482,34 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--json", help="write the tables as JSON rows here (switch rows, then state rows)")
     add_plot_option(parser, "artifacts/benchmarks/switch_cost.png")
     args = parser.parse_args(argv)
+    demo = None
+    if args.demo:
+        from ced.demo import resolve_demo
+        from ced.families import family_of
+
+        demo = resolve_demo(args.demo)
+        print(demo.describe())
+        families = (family_of(demo.model_dir).name,)
+        args.plot_default = args.plot_default.replace(".png", f"_{demo.root.name}.png")  # beside the shapes' figure
+    else:
+        families = FAMILIES if args.family == "all" else (args.family,)
     args.plot = plot_path(args)
 
     contexts = args.contexts or ([512, 2048] if args.quick else [512, 2048, 8192, 32768])
     visits = [1, 2, 4] if args.quick else [1, 2, 4, 8]
-    families = FAMILIES if args.family == "all" else (args.family,)
     rows, state_rows, shapes = [], [], []
     with tempfile.TemporaryDirectory() as workdir:
         for family in families:
             cls = CedBench if family == "ced" else V41Bench
             torch.set_num_threads(args.threads or THREADS[family])
-            bench = cls(contexts, max(visits), 16, Path(workdir) / family)
+            bench = cls(contexts, max(visits), 16, Path(workdir) / family, demo=demo)
+            if len(bench.names) < max(visits):  # a demo has the adapters it was built with
+                print(f"{bench.shape} has {len(bench.names)} adapters: adapters visited up to that")
+                visits = [v for v in visits if v <= len(bench.names)]
             rows += measure(bench, contexts, visits, args.repeats)
             state_rows += bench.state_rows()
+            if demo is not None and family != "ced":
+                state_rows.insert(1, ced_demo_state_row())  # the CED demo's bytes beside this demo's
             shapes.append(f"{family} on {bench.shape} (W={bench.window}, {torch.get_num_threads()} threads)")
     print(f"\nSwitch cost: {', '.join(shapes)}; ms are medians with min-max over {args.repeats + max(visits) - 1} "
           f"interleaved switches ({max(visits)} above 8K); replay_positions counted per switch; bytes after N "
@@ -458,6 +528,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 and r["context_tokens"] <= 8192]
         if len(flat) > 1:
             print(f"{family}: bounded replay max/min over contexts up to 8K: {max(flat) / min(flat):.2f}")
+        replay = {r["context_tokens"]: r["replay_ms"] for r in rows if r["family"] == family
+                  and r["adapters_visited"] == 1}
+        if 512 in replay and 32768 in replay:
+            ratio = replay[32768] / replay[512]
+            print(f"{family}: replay at 32K / replay at 512: {ratio:.2f} (issue #34's target <= 1.5: "
+                  f"{'met' if ratio <= 1.5 else 'NOT met'})")
     return rows
 
 

@@ -27,7 +27,11 @@ cache held); null for the others.
 server_ms is client-observed on loopback (send to the complete answer), the median over the repeats. Engines are
 interleaved context by context (the order reversed every other context); the load average is written beside each row.
 
-    python -m benchmarks.turn_cost [--quick] [--json PATH] [--plot PATH] [--no-vllm] [--no-llamacpp]
+`--demo DIR` serves another demo (as `mol2 serve --demo DIR`), e.g. models/demo-v41; every row names its model's
+family (ced, deepseek_v41; the peers' rows `llama`). The peers run a Llama of the CED demo's shape and their CPU
+builds do not run the deepseek_v41 layout, so with a deepseek_v41 demo they are left out, said so in one line.
+
+    python -m benchmarks.turn_cost [--demo DIR] [--quick] [--json PATH] [--plot PATH] [--no-vllm] [--no-llamacpp]
 """
 
 from __future__ import annotations
@@ -49,8 +53,12 @@ MAX_CONTEXT, RESERVE = 32768, 256
 SHORT_TURNS = ["ok, and then?", "Go on.", "Say more.", "Why is that?", "And after that?", "Thanks, next.",
                "What else?", "Really?", "Explain briefly.", "One more."]
 WRITTEN, MOVED = "mol2_state_bytes_written", "mol2_state_bytes_moved"
-COLUMNS = ["engine", "context_tokens", "kind", "server_ms", "server_ms_min", "server_ms_max", "repeats",
+COLUMNS = ["family", "engine", "context_tokens", "kind", "server_ms", "server_ms_min", "server_ms_max", "repeats",
            "bytes_written", "bytes_moved", "prompt_tokens", "prefilled_tokens", "first_turn_ms", "load_avg"]
+PEER_FAMILY = "llama"  # vLLM's and llama.cpp's model: a Llama of the CED demo's size (benchmarks/peer_vllm.py)
+PEERS_SKIPPED = ("vLLM and llama.cpp left out: their CPU builds do not run the {family} layout (their rows stay on "
+                 "their Llama peer: run turn_cost without --demo)")
+SWITCH_TARGET = 2.0  # issue #34: another adapter's turn at 8K within 2x the same adapter's, through the server
 
 
 def prompt_tokens_for(context: int) -> int:
@@ -66,9 +74,11 @@ def _median(values):
     return statistics.median(values) if values else None
 
 
-def _row(engine, context, kind, seconds, written, moved, prompt_tokens, first_ms, prefilled=()) -> dict:
+def _row(engine, context, kind, seconds, written, moved, prompt_tokens, first_ms, prefilled=(),
+         family=PEER_FAMILY) -> dict:
     ms = [s * 1e3 for s in seconds]
-    return {"engine": engine, "context_tokens": context, "kind": kind, "server_ms": statistics.median(ms),
+    return {"family": family, "engine": engine, "context_tokens": context, "kind": kind,
+            "server_ms": statistics.median(ms),
             "server_ms_min": min(ms), "server_ms_max": max(ms), "repeats": len(ms),
             "bytes_written": _median(written), "bytes_moved": _median(moved), "prompt_tokens": prompt_tokens,
             "prefilled_tokens": _median(prefilled), "first_turn_ms": first_ms, "load_avg": load.load_avg()}
@@ -92,7 +102,8 @@ def _delta(after, before):
     return None if after is None or before is None else after - before
 
 
-def measure_ours(client: load.Mol2Client, counters: Counters, tokenizer, context: int, repeats: int) -> list[dict]:
+def measure_ours(client: load.Mol2Client, counters: Counters, tokenizer, context: int, repeats: int,
+                 family: str = "ced") -> list[dict]:
     tokens = prompt_tokens_for(context)
     text = load.text_of_tokens(tokens, tokenizer, ROOT)
     answer, first_s = client.generate(text, ADAPTERS[0], 1)
@@ -113,8 +124,8 @@ def measure_ours(client: load.Mol2Client, counters: Counters, tokenizer, context
             written[kind].append(_delta(after[0], before[0]))
             moved[kind].append(_delta(after[1], before[1]))
     client.generate("Bye.", ADAPTERS[current], 1, conversation_id=conversation, end_conversation=True)
-    return [_row("mol2", context, kind, seconds[kind], written[kind], moved[kind], tokens, first_s * 1e3)
-            for kind in ("continue", "switch")]
+    return [_row("mol2", context, kind, seconds[kind], written[kind], moved[kind], tokens, first_s * 1e3,
+                 family=family) for kind in ("continue", "switch")]
 
 
 def measure_vllm(client: load.VllmClient, tokenizer, context: int, repeats: int, switch_repeats: int) -> list[dict]:
@@ -199,6 +210,10 @@ def ratio_lines(rows: list[dict], contexts: tuple[int, ...]) -> list[str]:
     for kind in ("continue", "switch"):
         lines.append(f"ours {kind} at {label(big)} / at 512: "
                      f"{_fmt(_ratio(_get(rows, 'mol2', big, kind), _get(rows, 'mol2', 512, kind)))}")
+    switch = _ratio(_get(rows, 'mol2', mid, 'switch'), _get(rows, 'mol2', mid, 'continue'))
+    verdict = "" if switch is None else f" ({'met' if switch <= SWITCH_TARGET else 'NOT met'})"
+    lines.append(f"ours switch / ours continue at {label(mid)} (issue #34's target <= {SWITCH_TARGET:g}): "
+                 f"{_fmt(switch)}{verdict}")
     lines.append(f"ours continue / vLLM continue at {label(mid)}: "
                  f"{_fmt(_ratio(_get(rows, 'mol2', mid, 'continue'), _get(rows, 'vllm', mid, 'continue')))}")
     lines.append(f"vLLM switch / ours switch at {label(mid)}: "
@@ -216,7 +231,7 @@ def ratio_lines(rows: list[dict], contexts: tuple[int, ...]) -> list[str]:
     return lines
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], path: str, family: str = "ced") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -258,14 +273,17 @@ def plot(rows: list[dict], path: str) -> None:
     else:
         right.text(0.5, 0.5, "the server has no\nmol2_state_bytes_* counters", ha="center", va="center",
                    transform=right.transAxes)
-    figure.suptitle("turn cost: mol2 (tritonserver, demo) vs vLLM CPU (same size Llama, prefix cache per LoRA) "
-                    "vs llama.cpp (the same Llama in GGUF, cache cleared on a LoRA change)", fontsize=9)
+    peers = "" if family != "ced" else (" vs vLLM CPU (same size Llama, prefix cache per LoRA) vs llama.cpp (the same "
+                                         "Llama in GGUF, cache cleared on a LoRA change)")
+    figure.suptitle(f"turn cost: mol2 (tritonserver, {family} demo){peers}", fontsize=9)
     save_figure(figure, path)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="contexts 512 and 2K, fewer repeats (a smoke check)")
+    parser.add_argument("--demo", default=None, help="the demo folder to serve (default: the one every command "
+                                                     "uses, ced/demo.py), e.g. models/demo-v41")
     parser.add_argument("--json", help="write the rows as JSON")
     add_plot_option(parser, "artifacts/benchmarks/turn_cost.png")
     parser.add_argument("--repeats", type=int, default=None, help="turns of each kind (default 6; --quick 3)")
@@ -275,17 +293,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="comma-separated context lengths (default 512,2048,8192,32768; --quick 512,2048)")
     parser.add_argument("--engine", default="torch", choices=("torch", "onnxruntime"), help="our server's engine")
     args = parser.parse_args(argv)
-    args.plot = plot_path(args)
     contexts = args.contexts or (QUICK_CONTEXTS if args.quick else CONTEXTS)
     repeats = args.repeats or (3 if args.quick else 6)
     began = time.perf_counter()
 
     from tokenizers import Tokenizer
 
+    from ced.families import family_of
     from python_backend.server.launcher import Ports
     from python_backend.server.serve_cli import prepare_demo
 
-    model_dir = prepare_demo()
+    model_dir = prepare_demo(args.demo)
+    family = family_of(model_dir).name
+    if family != "ced":
+        if args.engine != "torch":
+            raise SystemExit(f"turn_cost: --engine {args.engine} runs the ced family only; {model_dir} is {family}")
+        print(PEERS_SKIPPED.format(family=family))
+        args.no_vllm = args.no_llamacpp = True
+        args.plot_default = args.plot_default.replace(".png", f"_{family}.png")  # the ced figure stays
+    args.plot = plot_path(args)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     use_vllm = not args.no_vllm and vllm_available()
     if not args.no_vllm and not use_vllm:
@@ -301,7 +327,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     logs = ROOT / "artifacts/logs"
     rows: list[dict] = []
     with contextlib.ExitStack() as stack:
-        ports, _ = stack.enter_context(load.demo_server("turn_cost", env))
+        ports, _ = stack.enter_context(load.demo_server("turn_cost", env, demo=args.demo))
         vllm = None
         if use_vllm:
             peer = build_peer(PEER_ROOT)
@@ -328,7 +354,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for engine in order:
                 started = time.perf_counter()
                 if engine == "mol2":
-                    rows += measure_ours(mol2, counters, tokenizer, context, repeats)
+                    rows += measure_ours(mol2, counters, tokenizer, context, repeats, family)
                 elif engine == "vllm" and vllm:
                     rows += measure_vllm(vllm, tokenizer, context, repeats, switch_repeats)
                 elif engine == "llamacpp" and llamacpp:
@@ -352,9 +378,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(SKIP_MESSAGE)
     if not use_llamacpp and not args.no_llamacpp:
         print(peer_llamacpp.SKIP_MESSAGE)
+    if family != "ced":
+        print(PEERS_SKIPPED.format(family=family))
     print(f"\ntook {time.perf_counter() - began:.0f} s; load average now {load.load_avg()}")
     write_json(rows, args.json)
-    plot(rows, args.plot)
+    if args.plot:  # --plot "": no figure
+        plot(rows, args.plot, family)
     return rows
 
 

@@ -2,7 +2,10 @@
 whatever the context (the baseline all of them, and its logits are a full recompute's), and the state-bytes
 formula reproduces a real conversation's cache on v41-tiny and the tech report's 890 B/token on the release's
 FP4 layout (288 B latent + 68 B index key at layer 20, 3 x (288 + 68) / 2 for the ratio-2 sources: exactly 890).
+`--demo models/demo-v41` measures the trained demo's own weights and adapters, its bytes beside the CED demo's.
 """
+
+import json
 
 import pytest
 import torch
@@ -72,3 +75,33 @@ def test_the_flash_preset_at_fp4_gives_the_tech_reports_890_bytes_per_token():
     assert fixed > 40 * 128 * 528  # FP8 window rings of 528 B per layer and position, plus the replay inputs
     bf16, _ = v41_state_bytes(flash, "engine")
     assert bf16 == (512 + 128) * 2 * (1 + 3 / 2) == 3200
+
+
+def test_the_v41_demo_runs_with_its_own_weights_adapters_and_bytes(tmp_path):
+    """`--demo models/demo-v41`: the demo's checkpoint and its trained adapters (random_l0 too), the same W-position
+    replay, and its measured bytes per token the engine formula's at its config (fp32, D=64, I=32: 576)."""
+    from benchmarks.switch_cost import main
+    from ced.demo import resolve_demo
+
+    demo = resolve_demo("models/demo-v41")
+    bench = V41Bench([160], n_adapters=8, rank=16, workdir=tmp_path, demo=demo)
+    assert bench.shape == "demo-v41" and bench.names == ["chat", "agent", "coding", "design", "random_l0"]
+    assert bench.model.embed.weight.shape == (8192, 128)  # the demo's weights, not v41-bench's
+    rows = measure(bench, [160], visits=[1, 2], repeats=1)
+    assert {r["family"] for r in rows} == {"deepseek_v41"}
+    assert all(r["replay_positions"] == bench.config.sliding_window == 128 for r in rows)
+    per_token, _ = v41_measured_state(bench.model, lengths=(256, 512))
+    assert per_token == v41_state_bytes(bench.config, "engine")[0] == (64 + 32) * 4 * (1 / 2 + 1) == 576
+    rows = main(["--demo", "models/demo-v41", "--contexts", "160", "--repeats", "1", "--quick", "--plot", "",
+                 "--json", str(tmp_path / "rows.json")])
+    assert {r["family"] for r in rows} == {"deepseek_v41"}
+    assert sorted({r["adapters_visited"] for r in rows}) == [1, 2, 4]  # the demo's 5 adapters: no 8
+    state = [r for r in json.loads((tmp_path / "rows.json").read_text()) if r["table"] == "state_bytes"]
+    per_token = {(r["family"], r["shape"], r["how"]): r["state_bytes_per_token"] for r in state}
+    assert per_token == {  # the demo's bytes beside the CED demo's, and both beside the tech report's 890
+        ("deepseek_v41", "demo-v41", "measured (1K/4K conversation)"): 576,
+        ("ced", "demo", "measured (1K/4K conversation)"): 816,
+        ("deepseek_v41", "demo-v41", "computed (release-fp4 layout)"): 79.5,  # 1.5 x (32 + 4 + 16 + 1) B
+        ("deepseek_v41", "deepseek-v4.1-flash", "computed (engine layout)"): 3200,
+        ("deepseek_v41", "deepseek-v4.1-flash", "computed (release-fp4 layout)"): 890}
+    assert [r["tech_report_bytes_per_token"] for r in state] == ["", "", "", "", 890]  # beside the flash row only
