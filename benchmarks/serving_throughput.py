@@ -7,7 +7,9 @@ port, which is behind `mol2 serve`'s guard; the single server's is tritonserver'
 guard cost 1.00-1.01x, benchmarks/README.md#guard_cost), interleaved with the others, plus a mol2_pair / mol2 ratio
 table. With `--pair`, ours also get min_tokens = max_tokens (PAIR_NOTE). With `--onnxruntime`, one more:
 `mol2_onnxruntime`, a second server on the exported ONNX graphs (`--engine onnxruntime`), whose turns run in the same
-scheduler a row per graph call (ced/row_engine.py), with a mol2_onnxruntime / mol2 ratio table.
+scheduler a row per graph call (ced/row_engine.py), with a mol2_onnxruntime / mol2 ratio table. `--demo DIR`
+serves another demo, as `mol2 serve --demo` (e.g. models/demo-v41, the deepseek_v41 family); every row carries its
+`family`; vLLM and llama.cpp run only beside the ced family (their CPU builds do not run the V4.1 layout).
 
 Cells: concurrency 1, 2, 4, 8, 16, 32 streams, on 1 adapter (every turn `chat` / a0) and on 4 adapters (stream i's
 turn j on adapter (i + j) mod 4: round robin, every batch mixed). Each stream sends turns one after another: a short
@@ -44,7 +46,7 @@ same run is issue #35's target (>= 0.9). A schema's turn ends when its JSON is c
 `--quick` (a smoke check): concurrency 1 and 16 on 4 adapters, cells of 8 s, a 4,096-token long prompt;
 `--concurrency` and `--adapters` (comma lists) choose the cells, `--long-tokens 0` leaves the long prompt out.
 
-    python -m benchmarks.serving_throughput [--quick] [--pair] [--onnxruntime] [--no-vllm] [--no-llamacpp] [--contention]
+    python -m benchmarks.serving_throughput [--quick] [--demo DIR] [--pair] [--onnxruntime] [--no-vllm] [--no-llamacpp] [--contention]
                                             [--concurrency 1,4,16] [--adapters 1,4] [--cold-tokens N]
                                             [--json PATH] [--plot PATH]
 """
@@ -87,8 +89,8 @@ PROMPTS = [
     "Make the header sticky with a soft shadow.", "Pick a calm colour palette for a reading app.",
     "Center the login form and round its corners.",
 ]
-COLUMNS = ["engine", "scenario", "contention", "concurrency", "adapters", "tokens_per_s", "p50_ttft_ms", "p95_ttft_ms",
-           "p50_itl_ms", "requests", "mean_tokens", "errors", "load_avg"]
+COLUMNS = ["family", "engine", "scenario", "contention", "concurrency", "adapters", "tokens_per_s", "p50_ttft_ms",
+           "p95_ttft_ms", "p50_itl_ms", "requests", "mean_tokens", "errors", "load_avg"]
 LONG_COLUMNS = ["engine", "contention", "long_prompt_tokens", "long_ttft_ms", "short_during", "p50_ttft_ms",
                 "p95_ttft_ms", "before_p50_ttft_ms", "steady_p50_ttft_ms", "max_itl_during_ms", "tokens_per_s",
                 "load_avg"]
@@ -601,6 +603,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--pair", action="store_true",
                         help="also start a disaggregated pair (mol2 serve --role decode / --role prefill) and measure "
                              "it as engine mol2_pair, interleaved with the others")
+    parser.add_argument("--demo", default=None,
+                        help="serve this demo folder, as `mol2 serve --demo` (e.g. models/demo-v41; default: the "
+                             "demo every command uses); every row carries its `family`. vLLM and llama.cpp run only "
+                             "beside the ced family (their CPU builds do not run the deepseek_v41 layout)")
     parser.add_argument("--engine", default="torch", choices=("torch", "onnxruntime"), help="our servers' engine")
     parser.add_argument("--onnxruntime", action="store_true",
                         help="also start a server on the exported ONNX graphs (mol2 serve --engine onnxruntime) and "
@@ -622,12 +628,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from python_backend.server.launcher import Ports
     from python_backend.server.serve_cli import prepare_demo
 
-    model_dir = prepare_demo()
+    from ced.families import family_of
+
+    model_dir = prepare_demo(args.demo)
+    family = family_of(model_dir).name
+    if family != "ced" and (args.engine != "torch" or args.onnxruntime):
+        parser.error(f"the onnxruntime engine does not run the {family} family: leave out --engine / --onnxruntime")
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     long_text, long_tokens = None, 0
     if args.long_tokens > 0:
         long_text = load.text_of_tokens(args.long_tokens, tokenizer, ROOT)
         long_tokens = len(tokenizer.encode(load.user_turn(long_text)).ids)
+    if family != "ced" and not (args.no_vllm and args.no_llamacpp):
+        print(f"vLLM and llama.cpp left out: their CPU builds do not run the {family} layout (their rows stay on "
+              "the Llama peer of the ced demo's shape: run without --demo)")
+        args.no_vllm = args.no_llamacpp = True
     use_vllm = not args.no_vllm and vllm_available()
     if not args.no_vllm and not use_vllm:
         print(SKIP_MESSAGE)
@@ -650,12 +665,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     clients: dict[str, load.Mol2Client] = {}
     with contextlib.ExitStack() as stack:
-        ports, _ = stack.enter_context(load.demo_server("serving_throughput", env))
+        ports, _ = stack.enter_context(load.demo_server("serving_throughput", env, demo=args.demo))
         clients["mol2"] = load.Mol2Client(f"http://{ports.http_url}")
         served: dict[str, list[str]] = {}
         if args.pair:
             prefill, decode = stack.enter_context(load.demo_pair(
-                "serving_throughput_pair", ["--engine", args.engine, "--max-prompt-tokens", max_prompt]))
+                "serving_throughput_pair", ["--engine", args.engine, "--max-prompt-tokens", max_prompt,
+                                            *(["--demo", args.demo] if args.demo else [])]))
             # a request that hears nothing for 5 minutes fails (not 15): a stalled pair costs a cell, not the run
             clients["mol2_pair"] = load.Mol2Client(f"http://{prefill.http_url}", timeout=300.0)
             served["mol2_pair"] = [f"http://{prefill.http_url}", f"http://{decode.http_url}"]
@@ -693,6 +709,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"end_conversation, vLLM's completions are stateless), cells of {cell_s:.0f} s, engines interleaved; "
           f"ignore_eos: {'; '.join(notes) or 'sent to all'}; load average (1, 5, 15 min) beside each row"
           f"{'; ' + PAIR_NOTE if args.pair else ''}\n")
+    for row in rows:
+        row["family"] = family
     columns = COLUMNS + (["restarts"] if any(r.get("restarts") is not None for r in rows) else []) + \
         (["structured_tokens"] if any(r["scenario"] == "structured" for r in rows) else [])
     for row in rows:  # every row gets every column: a row measured alone, or with no value for a scenario's own
@@ -723,7 +741,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if ratios:
             print(f"\nratios ({ours} / {theirs})\n")
             print(markdown_table(ratios, list(ratios[0])))
-            ratio_tables += [{"engine": f"{ours}/{theirs}", **r, "scenario": f"{r['scenario']}_ratio"}
+            ratio_tables += [{"engine": f"{ours}/{theirs}", **r, "scenario": f"{r['scenario']}_ratio", "family": family}
                              for r in ratios]
     for line in scaling_lines(rows, engines.names):
         print(line)
