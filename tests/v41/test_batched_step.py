@@ -16,6 +16,8 @@ from ced.deepseek_v41.state import copy_state
 from ced.engine import StateError
 from ced.row_engine import RowEngine
 
+from test_engine import shared_tensors
+
 RTOL = 1e-5  # of the row's largest |logit|: a batched matmul may sum in another order than one row's
 ADAPTERS = {"all": lambda n: True, "experts": lambda n: ".experts." in n, "attn": lambda n: ".attn." in n}
 
@@ -51,17 +53,8 @@ def open_rows(engine: V41Engine, lengths: list[int], adapters: list[str | None])
 
 
 def state_tensors(state) -> dict:
-    """Every tensor a conversation holds, by name (None where a part is empty)."""
-    shared, parts = state.shared, {}
-    parts |= {f"window.{i}": w.kv for i, w in shared.windows.items()}
-    parts |= {f"bound.{i}": w.kv for i, w in state.bound.windows.items()}
-    for i, store in shared.stores.items():
-        parts |= {f"{i}.latent": store.latent, f"{i}.index_keys": store.index_keys, f"{i}.pending": store.pending}
-    parts |= {"stream": shared.stream, "pre": shared.pre}
-    for name in ("selection", "pool"):
-        choice = getattr(shared, name)
-        parts |= {f"{name}.idx": choice and choice.idx, f"{name}.valid": choice and choice.valid}
-    return parts
+    """Every tensor a conversation holds, by name (None where a part is empty): the shared ones and its windows."""
+    return shared_tensors(state) | {f"bound.{i}": w.kv for i, w in state.bound.windows.items()}
 
 
 def assert_close_states(batched, serial) -> None:
