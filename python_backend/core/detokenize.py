@@ -1,4 +1,5 @@
-"""Token ids -> the text they add, statelessly, so the `detokenize` model can follow a decoupled decode.
+"""Token ids -> the text they add, statelessly, so a process that only relays a decoupled decode (the disaggregated
+relay, python_backend/triton/front.py) can follow it; the engine's stub uses it too.
 
 A byte-level token may end in the middle of a UTF-8 character: the text of the ids so far then ends in U+FFFD
 until the next token completes it. Each decode response carries the newest ids after a few earlier ones (`PREFIX`,

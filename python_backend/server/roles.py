@@ -36,8 +36,8 @@ def decode_models(repository: Path) -> list[str]:
 
 
 def single_server_models(repository: Path) -> list[str]:
-    """What one server needs: the engines run whole turns, so decode and detokenize serve only a split server."""
-    return [name for name in models_of(repository) if name not in decode_models(repository) and name != "detokenize"]
+    """What one server needs: the engines run whole turns, so decode serves only a split server."""
+    return [name for name in models_of(repository) if name not in decode_models(repository)]
 
 
 def relay_config(ensemble_config: str, name: str, decode_url: str) -> str:

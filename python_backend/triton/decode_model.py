@@ -1,6 +1,6 @@
 """The `decode` Triton model (decoupled): maps the transfer's adapter hash through this server's registry, replays W
 positions under that adapter, then streams token ids (one response per token with `stream`, else one aggregated
-response) for the `detokenize` step to turn into text.
+response) for the relay on the prefill server to turn into text (python_backend/triton/front.py).
 
 Every request is a handed turn of the scheduler (python_backend/core/scheduler.py), which replays and decodes all
 of them together, each under its own adapter (in one batch on the torch engine, a row at a time on exported graphs):
@@ -154,7 +154,7 @@ class DecodeModel:
 
     def respond(self, parsed: ParsedDecode, fresh: int, last: bool, wanted: frozenset[str], adapter: str,
                 finish_reason: str = "", logprobs: list | None = None):
-        """The newest `fresh` ids (after a few earlier ones, for detokenize) and the turn's metadata, with the
+        """The newest `fresh` ids (after a few earlier ones, for the relay's detokenizing) and the turn's metadata, with the
         finish reason on the last and, when the request asked, the logprobs of these tokens (JSON, as the engine
         model sends them); only the outputs the request asked for (triton_io.response)."""
         extra = {} if logprobs is None else {"logprobs": json.dumps(logprobs)}

@@ -15,6 +15,7 @@ import numpy as np
 
 from ced.tokenization import ChatTokenizer
 
+from ..core.detokenize import check_ids, text_delta
 from ..core.delta_transfer import BASE_REFUSED, DELTA, Count, Outgoing, RelayTransfers, no_count
 from ..core.engine_core import stateless_prompt
 from ..core.seal import DECODE, RETURNED, Sealer, decode_fields, returned_fields
@@ -34,7 +35,6 @@ LISTS = frozenset({"stop_token_ids"})
 STATELESS = ("messages", "prompt")  # a whole chat or prompt (the OpenAI API's requests): no conversation
 ANSWER_OUTPUTS = ("applied_adapter", "replayed_tokens", "output_tokens", "route_scores", "conversation_id_out",
                   "finish_reason", "logprobs")
-IDS = ("_ids", "_fresh", "_last")  # what decode sends for `detokenize` to turn into text_output
 
 
 def remote_decode(url: str, model: str, inputs: dict[str, np.ndarray], timeout_s: float = 600.0) -> Iterator:
@@ -86,12 +86,12 @@ class Relay:
     The state travels as a delta where it can (python_backend/core/delta_transfer.py): only what the decode server
     lacks goes, and only what the relay lacks comes back; a delta decode refuses is sent again whole, once.
     `count(name, value, **labels)` counts the bytes and the fallbacks (Counters.count). `tokenizer` renders stateless
-    requests; without one (tests of the stateful path) they fail.
+    requests and turns decode's ids into text.
     """
 
     def __init__(self, call: Call, store: ConversationStore, router_model: str, decode_url: str, decode_model: str,
                  sealer: Sealer, decode: Callable[..., Iterator] = remote_decode, count: Count = no_count,
-                 tokenizer: ChatTokenizer | None = None):
+                 *, tokenizer: ChatTokenizer):
         self.call, self.store, self.router_model, self.sealer = call, store, router_model, sealer
         self.tokenizer = tokenizer
         self.decode_url, self.decode_model, self.decode = decode_url, decode_model, decode
@@ -188,8 +188,15 @@ class Relay:
             pending = {name: value for name in ANSWER_OUTPUTS if (value := result.as_numpy(name)) is not None}
             # this server prefills every turn from scratch: nothing of the prompt comes from a cache
             pending.update(prompt_tokens=prompt_tokens, cached_tokens=0)
-            pending.update(self.call("detokenize", {name: result.as_numpy(name) for name in IDS}, ["text_output"]))
+            pending["text_output"] = np.array([self._text_of(result).encode("utf-8")], dtype=object)
         return pending
+
+    def _text_of(self, result) -> str:
+        """The text a decode answer adds, detokenized here (python_backend/core/detokenize.py): a BLS call to the
+        `detokenize` model per streamed token cost a round trip between processes for every token of every stream."""
+        ids = check_ids(result.as_numpy("_ids").reshape(-1).tolist(), self.store.config.vocab_size)
+        fresh, last = int(result.as_numpy("_fresh").reshape(-1)[0]), bool(result.as_numpy("_last").reshape(-1)[0])
+        return text_delta(self.tokenizer.decode, ids, fresh, last)
 
     def _start_decode(self, conversation_id: str, inputs: dict[str, np.ndarray], sent: Outgoing,
                       routed_meta: np.ndarray, end: bool) -> tuple[Outgoing, Iterator]:

@@ -19,6 +19,7 @@ from ced import CEDConfig
 
 from ced.batched import BatchedEngine
 from ced.row_engine import RowEngine
+from ced.tokenization import ChatTokenizer
 from python_backend.core.adapter_set import parse_adapter_set, sync_registry
 from python_backend.core.delta_transfer import (BASE_REFUSED, DELTA, FULL, TO_DECODE, TO_PREFILL, BaseRefused,
                                            DecodeTransfers, base_of, cache_bytes, decode_delta, encode_delta,
@@ -28,6 +29,7 @@ from python_backend.triton.front import Relay
 from python_backend.core.seal import DECODE, PREFILL, RETURNED, Sealer, decode_fields, prefill_fields, returned_fields
 from python_backend.core.routing import RouteDecision
 from python_backend.core.scheduler import Scheduler, Turn
+from python_backend.core.settings import ROOT
 from python_backend.core.store import ConversationStore
 from python_backend.core.transfer import TransferError, _read_metadata, decode_state, encode_state
 from python_backend.triton.triton_io import RequestError
@@ -97,7 +99,8 @@ class Pair:
                                    ConversationStore(root / "decode", engine.config), type("T", (), {"stop_ids": ()})(),
                                    self.adapter_of, lambda: [], prefix_cache_bytes=0)
         self.relay = Relay(self.call, self.store, "router", "decode:1", "decode", SEALER, self.decode,
-                           self.counter("relay"))
+                           self.counter("relay"), tokenizer=ChatTokenizer(ROOT / "models" / "demo" / "model"))
+        self.generated: list[int] = []  # the ids the last turn's decode generated
         self.sent: list[tuple[str, int, bytes]] = []  # (kind, bytes to decode, the full state prefill made)
         self.received: list[tuple] = []  # the state decode received (exact), per attempt it accepted
         self.next_id = 0
@@ -133,8 +136,7 @@ class Pair:
             adapter_hash = BASE if adapter is None else self.adapter_set.by_name(adapter).hash
             return {"_routed_meta": np.array([int(inputs["_transfer_meta"][0]), adapter_hash]),
                     "_route_scores": text("{}"), "_route_adapter": text(adapter or "base")}
-        assert model == "detokenize"
-        return {"text_output": text(json.dumps(inputs["_ids"].tolist()))}
+        raise AssertionError(f"unexpected call to {model}: the relay detokenizes decode's ids itself")
 
     def decode(self, url, model, inputs):
         """The decode model's path: seal, then the state received (a refusal is the first thing the relay hears,
@@ -158,7 +160,7 @@ class Pair:
         self.scheduler.drain()
         assert sink.error is None, sink.error
         final_state = self.transfers.reply(conversation_id, received, turn.final_state, end)
-        ids = turn.generated
+        ids = self.generated = turn.generated
         yield Result(_ids=np.array(ids), _fresh=np.array([len(ids)], np.int32), _last=np.array([True]),
                      applied_adapter=text("x"), replayed_tokens=np.array([0], np.int32),
                      output_tokens=np.array([len(ids)], np.int32), route_scores=text("{}"),
@@ -178,7 +180,7 @@ class Pair:
         answers = []
         self.relay.run(fields, lambda outputs, final: answers.append(outputs))
         answer = answers[-1]
-        return _text(answer["conversation_id_out"]), json.loads(_text(answer["text_output"]))
+        return _text(answer["conversation_id_out"]), self.generated
 
     def conversation(self, turns, between=lambda pair, conversation_id, number: None):
         conversation_id, answers = None, []

@@ -1,8 +1,10 @@
 """Stateless detokenization: the deltas of a streamed turn add up to the text of all its ids, partial UTF-8
 characters held back until complete, however the ids were split into responses."""
 
+import pytest
+
 from ced.tokenization import ByteTokenizer
-from python_backend.core.detokenize import text_delta, window
+from python_backend.core.detokenize import check_ids, text_delta, window
 
 decode = ByteTokenizer().decode
 
@@ -30,7 +32,13 @@ def test_one_aggregated_response_and_a_cut_character_at_the_end():
 
 
 def test_a_bad_fresh_count_is_refused():
-    import pytest
-
     with pytest.raises(ValueError, match="_fresh is 5"):
         text_delta(decode, [1, 2], 5, False)
+
+
+@pytest.mark.parametrize("ids", [[10 ** 9], [-1], [2 ** 62], [5, 8192]])
+def test_ids_that_are_not_tokens_are_refused_by_name(ids):
+    """What the relay checks before it decodes decode's ids (a tokenizer fed 2**62 raised an OverflowError)."""
+    with pytest.raises(ValueError, match=r"_ids holds -?\d+, not a token id \(0 to 8191\)"):
+        check_ids(ids, 8192)
+    assert check_ids([0, 5, 8191], 8192) == [0, 5, 8191]

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from python_backend.triton.decode_model import DecodeModel
-from python_backend.triton.detokenize_model import DetokenizeModel
 from python_backend.triton.prefill_model import PrefillModel
 from python_backend.triton.relay_model import RelayModel
 from python_backend.server.roles import relay_config
@@ -205,18 +204,6 @@ def test_tokenize_refuses_oversized_and_invalid_text_before_tokenizing(pb, confi
     assert_refused(surrogate_answer, "text_input is not valid UTF-8 text")
     assert "ed a0 80" in surrogate_answer.error().message()
     assert not pb.logged  # refusals, not failures of ours
-
-
-def test_detokenize(pb, config):
-    model = DetokenizeModel(pb, config("detokenize"))
-    fail_when(model.tokenizer, "decode", lambda ids: ids == [66])
-    good, bad, bug = model.execute([Request(_ids=np.array([104, 105]), _fresh=np.array([2], np.int32), _last=[True]),
-                                    Request(_ids=np.array([10 ** 6]), _fresh=np.array([1], np.int32), _last=[True]),
-                                    Request(_ids=np.array([66]), _fresh=np.array([1], np.int32), _last=[True])])
-    assert_outputs(good, config("detokenize"))
-    assert good.tensors["text_output"][0] == b"hi"
-    assert_refused(bad, "_ids holds 1000000, not a token id")
-    assert_failed_here(bug, pb, "detokenize")
 
 
 def sealed_prefill(ids, conversation_id=None, route_only=False) -> Request:

@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from ced.tokenization import ChatTokenizer
+from python_backend.core.settings import ROOT
 from python_backend.triton.bls import StageFailure, bls_call
 from python_backend.triton.front import Relay
 from python_backend.core.seal import DECODE, PREFILL, RETURNED, SealError, Sealer, decode_fields, prefill_fields, \
@@ -33,6 +35,7 @@ def text(value: str) -> np.ndarray:
 
 
 SEALER = Sealer(bytes(range(32)))
+TOKENIZER = ChatTokenizer(ROOT / "models" / "demo" / "model")  # any tokenizer: the relay turns decode's ids into text
 
 
 def sealed_state(state_bytes: np.ndarray, sealer: Sealer = SEALER) -> Result:
@@ -57,8 +60,7 @@ def relay_parts(engine, tmp_path):
                     "_prompt_tokens": np.array([3], np.int32)}
         if model == "router":
             return {"_routed_meta": np.array([12, 0]), "_route_scores": text("{}"), "_route_adapter": text("base")}
-        assert model == "detokenize"
-        return {"text_output": text("x" * int(inputs["_fresh"][0]))}
+        raise AssertionError(f"unexpected call to {model}: the relay detokenizes decode's ids itself")
 
     answer = dict(_ids=np.array([5]), _fresh=np.array([1], np.int32), _last=np.array([False]),
                   applied_adapter=text("base"), replayed_tokens=np.array([12], np.int32),
@@ -76,7 +78,7 @@ def test_the_returned_state_is_committed_and_the_lock_released(relay_parts):
             "c1", 12, 0, inputs["_state"].tobytes(), bool(inputs["_return_state"][0]), False))
         return iter([Result(**answer), Result(**answer), sealed_state(final_state)])
 
-    Relay(call, store, "router", "host:1", "decode", SEALER, decode).run(
+    Relay(call, store, "router", "host:1", "decode", SEALER, decode, tokenizer=TOKENIZER).run(
         {"text_input": text("hi")}, lambda out, final: sent.append((final, (store.root / "c1.lock").exists())))
     # The FINAL flag rides the last answer, sent once the state is stored and the lock released: a client may
     # send its next turn the moment it has the answer.
@@ -97,7 +99,7 @@ def test_a_failed_remote_decode_releases_the_lock_and_writes_nothing(relay_parts
             raise RequestError("decode server host:1: boom")
 
     with pytest.raises(RequestError, match=message):
-        Relay(call, store, "router", "host:1", "decode", SEALER, decode).run({"text_input": text("hi")},
+        Relay(call, store, "router", "host:1", "decode", SEALER, decode, tokenizer=TOKENIZER).run({"text_input": text("hi")},
                                                                               lambda *a: None)
     assert not store.exists("c1") and not (store.root / "c1.lock").exists()
 
@@ -117,7 +119,7 @@ def test_a_returned_state_without_decodes_seal_is_not_stored(relay_parts, engine
                       _state_seal=sealed_state(final_state).outputs["_state_seal"])
     decode = lambda url, model, inputs: iter([Result(**answer), last])  # noqa: E731
     with pytest.raises(SealError):
-        Relay(call, store, "router", "host:1", "decode", SEALER, decode).run({"text_input": text("hi")},
+        Relay(call, store, "router", "host:1", "decode", SEALER, decode, tokenizer=TOKENIZER).run({"text_input": text("hi")},
                                                                               lambda *a: None)
     assert not store.exists("c1") and not (store.root / "c1.lock").exists()
 

@@ -164,7 +164,7 @@ def test_the_relay_holds_the_turn_lock_in_its_own_process(engine, tmp_path):
                 "_conversation_id": np.array([b"fresh"], dtype=object)}
 
     relay = Relay(call, store, "router", "host:1", "decode", Sealer(bytes(range(32))),
-                  lambda *args: pytest.fail("decode must not be reached"))
+                  lambda *args: pytest.fail("decode must not be reached"), tokenizer=None)
     other = ConversationStore(tmp_path, engine.config)  # another process's turn on c1, in effect
     other.begin_turn("c1")
     with pytest.raises(ConversationBusy, match="'c1' already has a turn in progress"):
