@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
+
+from python_backend.server.launcher import stop
 
 from . import load
 from .peer_vllm import ADAPTERS, LORA_NAMES, PEER_ROOT, build_peer
@@ -145,14 +145,7 @@ def running_llamacpp(gguf: Path, port: int, log_path: Path | None = None, timeou
                 raise RuntimeError(f"llama-server loaded the adapters {loaded}, not the peer's 4 in order")
             yield base
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+            stop(process)
 
 
 def lora_field(adapter: str | None) -> list[dict]:

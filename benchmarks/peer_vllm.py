@@ -16,12 +16,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import time
 import urllib.request
 from functools import lru_cache
 from pathlib import Path
+
+from python_backend.server.launcher import stop
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -145,15 +146,7 @@ def running_vllm(root: Path, port: int, log_path: Path | None = None, timeout_s:
             time.sleep(1.0)
         yield f"http://127.0.0.1:{port}"
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            pass
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)  # what is left of the group (the engine core process)
-        process.wait()
+        stop(process)  # its whole process group: vLLM's engine core process too
         log.close()
 
 

@@ -128,27 +128,30 @@ def measure_ours(client: load.Mol2Client, counters: Counters, tokenizer, context
                  family=family) for kind in ("continue", "switch")]
 
 
+def peer_prefix(tokenizer, tokens: int):
+    """A peer's history of `tokens` tokens as one user turn (a lead line makes it another conversation's)."""
+    return lambda lead="": load.user_turn(load.text_of_tokens(tokens, tokenizer, ROOT, lead=lead))
+
+
+def peer_extension(repeat: int, kind: str) -> str:
+    """A peer's short turn after the history: the assistant's reply, then the user's next question."""
+    return "Sure." + load.END + load.user_turn(short_text(repeat, kind), first=False)
+
+
 def measure_vllm(client: load.VllmClient, tokenizer, context: int, repeats: int, switch_repeats: int) -> list[dict]:
-    tokens = prompt_tokens_for(context)
-
-    def prefix(lead: str = "") -> str:
-        return load.user_turn(load.text_of_tokens(tokens, tokenizer, ROOT, lead=lead))
-
-    def extension(repeat: int, kind: str) -> str:
-        return "Sure." + load.END + load.user_turn(short_text(repeat, kind), first=False)
-
+    prefix = peer_prefix(tokenizer, prompt_tokens_for(context))
     own = prefix()
-    answer, cold_s = client.complete(own + extension(0, "warm-up"), vllm_name(ADAPTERS[0]), 1)  # caches it under a0
+    answer, cold_s = client.complete(own + peer_extension(0, "warm-up"), vllm_name(ADAPTERS[0]), 1)  # caches it under a0
     prompt_tokens = (answer.get("usage") or {}).get("prompt_tokens")
     seconds = {"continue": [], "switch": []}
     for repeat in range(max(repeats, switch_repeats)):
         if repeat < repeats:
-            _, elapsed = client.complete(own + extension(repeat, "continue"), vllm_name(ADAPTERS[0]), 1)
+            _, elapsed = client.complete(own + peer_extension(repeat, "continue"), vllm_name(ADAPTERS[0]), 1)
             seconds["continue"].append(elapsed)
         if repeat < switch_repeats:
             target = ADAPTERS[1 + repeat % (len(ADAPTERS) - 1)]
             text = own if repeat < len(ADAPTERS) - 1 else prefix(lead=f"Conversation {repeat}.\n")
-            _, elapsed = client.complete(text + extension(repeat, "switch"), vllm_name(target), 1)
+            _, elapsed = client.complete(text + peer_extension(repeat, "switch"), vllm_name(target), 1)
             seconds["switch"].append(elapsed)
     return [_row("vllm", context, kind, seconds[kind], [None], [None], prompt_tokens, cold_s * 1e3)
             for kind in ("continue", "switch")]
@@ -157,16 +160,9 @@ def measure_vllm(client: load.VllmClient, tokenizer, context: int, repeats: int,
 def measure_llamacpp(client: peer_llamacpp.LlamaCppClient, tokenizer, context: int, repeats: int,
                      switch_repeats: int) -> list[dict]:
     """vLLM's protocol (measure_vllm) on llama-server: the same prompts, our adapters by their `lora` ids."""
-    tokens = prompt_tokens_for(context)
-
-    def prefix(lead: str = "") -> str:
-        return load.user_turn(load.text_of_tokens(tokens, tokenizer, ROOT, lead=lead))
-
-    def extension(repeat: int, kind: str) -> str:
-        return "Sure." + load.END + load.user_turn(short_text(repeat, kind), first=False)
-
+    prefix = peer_prefix(tokenizer, prompt_tokens_for(context))
     own = prefix()
-    answer, cold_s = client.complete(own + extension(0, "warm-up"), ADAPTERS[0], 1)  # cached in a slot, under a0
+    answer, cold_s = client.complete(own + peer_extension(0, "warm-up"), ADAPTERS[0], 1)  # cached in a slot, under a0
     prompt_tokens = answer.get("tokens_evaluated")
     seconds = {"continue": [], "switch": []}
     prefilled = {"continue": [], "switch": []}
@@ -178,7 +174,7 @@ def measure_llamacpp(client: peer_llamacpp.LlamaCppClient, tokenizer, context: i
             text = own if repeat < len(ADAPTERS) - 1 else prefix(lead=f"Conversation {repeat}.\n")
             turns.append(("switch", text, ADAPTERS[1 + repeat % (len(ADAPTERS) - 1)]))
         for kind, text, adapter in turns:
-            answer, elapsed = client.complete(text + extension(repeat, kind), adapter, 1)
+            answer, elapsed = client.complete(text + peer_extension(repeat, kind), adapter, 1)
             seconds[kind].append(elapsed)
             prefilled[kind].append((answer.get("timings") or {}).get("prompt_n"))
     return [_row("llamacpp", context, kind, seconds[kind], [None], [None], prompt_tokens, cold_s * 1e3,

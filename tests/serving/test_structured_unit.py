@@ -21,6 +21,8 @@ from python_backend.core.scheduler import Scheduler, Turn
 from python_backend.core.store import ConversationStore
 from python_backend.core.structured import GrammarSpec, Grammars
 
+from test_scheduler import Sink
+
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pet"],
           "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0,
                                                                               "maximum": 99},
@@ -82,23 +84,6 @@ def test_json_rows_never_write_control_characters():
     logits[0x16] = 10.0  # the likeliest, and not JSON inside a string
     masked = row.mask(logits)
     assert masked[0x16] == -math.inf and masked[ord("a")] == 0.0 and masked[300] == -math.inf  # 300 prints nothing
-
-
-class Sink:
-    def __init__(self):
-        self.tokens, self.done, self.error = [], False, None
-
-    def token(self, token, turn):
-        self.tokens.append(token)
-
-    def finished(self, turn):
-        self.done = True
-
-    def failed(self, error, turn):
-        self.error = error
-
-    def cancelled(self):
-        return False
 
 
 def test_a_json_row_closes_before_its_budget_ends():
