@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import kernels
+
 
 @dataclass
 class LoRAMapping:
@@ -47,17 +49,32 @@ def transposed(weight: Tensor) -> Tensor:
     return weight.detach().t().contiguous()
 
 
+def panels_of(weight_t: Tensor) -> Tensor | None:
+    """The weight (in, out) in the native kernel's panels (ced/kernels), where the kernel takes its dtype."""
+    return kernels.pack(weight_t) if kernels.available(weight_t.dtype) else None
+
+
 class PackedLinear(nn.Module):
-    """An inference nn.Linear that multiplies by its transposed copy (`transposed`). Its parameters keep a plain
-    Linear's names (and tensors, so tied weights stay tied): the model's state dict does not change."""
+    """An inference nn.Linear that multiplies by its transposed copy (`transposed`), and a few rows at a time by
+    the native kernel's panels of it. Its parameters keep a plain Linear's names (and tensors, so tied weights stay
+    tied): the model's state dict does not change."""
 
     def __init__(self, base: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias
         self.register_buffer("weight_t", transposed(base.weight), persistent=False)
+        self.panels = panels_of(self.weight_t)
+        self.spec = None if self.panels is None else kernels.LinearSpec.of(self.panels, *self.weight_t.shape)
+
+    def native_args(self, rows: int) -> tuple[kernels.LinearSpec, None] | None:
+        """What the native kernels need to run this linear on `rows` rows: (spec, no slots)."""
+        return None if self.spec is None else (self.spec, None)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.spec is not None and kernels.takes(x):
+            y = kernels.matmul(x, self.spec)
+            return y if self.bias is None else y + self.bias
         return packed_linear(x, self.weight_t, self.bias)
 
 
@@ -78,6 +95,14 @@ class MultiLoRALinear(nn.Module):
                              persistent=False)
         self.register_buffer("in_use", torch.zeros(n_slots, dtype=torch.bool), persistent=False)
         self.used = [False] * n_slots  # in_use on the host
+        # the native kernel's copies (ced/kernels): the base's panels, each slot's A^T and B^T packed
+        self.panels = panels_of(self.weight_t)
+        if self.panels is not None:
+            self.a_panels = torch.zeros(n_slots, base.in_features * max_rank)
+            self.b_panels = torch.zeros(n_slots, max_rank * base.out_features)
+            shape = (base.in_features, base.out_features)
+            self.base_spec = kernels.LinearSpec.of(self.panels, *shape)
+            self.lora_spec = kernels.LinearSpec.of(self.panels, *shape, (self.a_panels, self.b_panels, max_rank))
         self._packed: dict[tuple[int, ...], tuple[Tensor, Tensor]] = {}  # active slots -> their A and B, stacked
 
     @property
@@ -95,18 +120,41 @@ class MultiLoRALinear(nn.Module):
         self.lora_b[slot, :, :rank] = b_scaled.to(self.lora_b.dtype)
         self.in_use[slot] = True
         self.used[slot] = True
-        self._packed.clear()
+        self._slot_changed(slot)
 
     def reset_lora(self, slot: int) -> None:
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         self.in_use[slot] = False
         self.used[slot] = False
+        self._slot_changed(slot)
+
+    def _slot_changed(self, slot: int) -> None:
         self._packed.clear()
+        if self.panels is not None:
+            self.a_panels[slot] = kernels.pack(self.lora_a[slot].t())
+            self.b_panels[slot] = kernels.pack(self.lora_b[slot].t())
+
+    def native_args(self, rows: int) -> tuple[kernels.LinearSpec, Tensor | None] | None:
+        """What the native kernels need to run this linear on `rows` rows (batch rows x positions) under the
+        mapping: (spec, each row's slot or None), or None where they cannot (no panels; a mapping of slots only,
+        as the baseline engine sets)."""
+        slots, host = self.mapping.row_slots, self.mapping.host_slots
+        if self.panels is None or (slots is not None and host is None):
+            return None
+        if slots is None or not any(self.used[slot] for slot in self.mapping.active):
+            return self.base_spec, None
+        if rows != len(host):  # (B, T, in): the row's slot for each of its positions
+            slots = slots.repeat_interleave(rows // len(host))
+        return self.lora_spec, slots
 
     def forward(self, x: Tensor) -> Tensor:  # x: (B, T, in)
-        y = packed_linear(x, self.weight_t, self.base.bias)
+        native = self.native_args(x.numel() // x.shape[-1]) if kernels.takes(x) else None
+        if native is not None:
+            y = kernels.matmul(x, *native)
+            return y if self.base.bias is None else y + self.base.bias
         slots, host = self.mapping.row_slots, self.mapping.host_slots
+        y = packed_linear(x, self.weight_t, self.base.bias)
         if slots is None:
             return y
         if host is not None:  # mixed batches: the A of every slot in use at once, each row masked to its own block

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
 
+from . import kernels
 from .config import CEDConfig, LayerRole
 from .state import AttentionCache, GlobalKV, ListCache, LocalWindow, Selection
 
@@ -68,6 +69,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if kernels.takes(x) and kernels.available(self.weight.dtype):  # a decode step's few rows: one native call
+            return kernels.rms_norm(x, self.weight, self.eps)
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
@@ -212,6 +215,13 @@ class CEDAttention(nn.Module):
                                             cache.graph) if has_entries else None
 
         scale = 1.0 / math.sqrt(self.config.head_dim)
+        if T == 1 and kernels.takes(q) and kernels.available(q.dtype):  # one query per row: one native call
+            selected = None
+            if has_entries and selection is not None:
+                k_sel, v_sel = cache.gather(source, selection.idx)  # (B, 1, k, H, D)
+                selected = (k_sel.permute(0, 3, 1, 2, 4), v_sel.permute(0, 3, 1, 2, 4), selection.valid)
+            out = kernels.attend_one(q, keys, values, key_pos, positions, self.config.window, scale, selected)
+            return self.o_proj(out), selection
         local = torch.matmul(q, keys.transpose(-1, -2)) * scale  # (B, H, T, S)
         distance = positions[:, :, None] - key_pos[:, None, :]  # (B, T, S)
         local = local.masked_fill(((distance < 0) | (distance >= self.config.window))[:, None], NEG_INF)
@@ -260,7 +270,18 @@ class CEDLayer(nn.Module):
         return (x[:, -1:] if last_only else x) + out, selection
 
     def ffn_block(self, x: Tensor) -> Tensor:
-        return x + self.mlp(self.mlp_norm(x))
+        fused = self._native_ffn_block(x) if kernels.takes(x) else None
+        return fused if fused is not None else x + self.mlp(self.mlp_norm(x))
+
+    def _native_ffn_block(self, x: Tensor) -> Tensor | None:
+        """The block in one native call, where its linears are the engine's (ced.lora: packed, with the rows'
+        LoRA) and the kernels take them; else None."""
+        rows, linears = x.numel() // x.shape[-1], (self.mlp.gate_proj, self.mlp.up_proj, self.mlp.down_proj)
+        native = [getattr(linear, "native_args", lambda rows: None)(rows) for linear in linears]
+        if None in native or not kernels.available(self.mlp_norm.weight.dtype):
+            return None
+        slots = next((slots for _, slots in native if slots is not None), None)  # one mapping: the same slots
+        return kernels.swiglu_block(x, self.mlp_norm.weight, self.mlp_norm.eps, *(spec for spec, _ in native), slots)
 
 
 @dataclass

@@ -1,0 +1,109 @@
+"""The native decode kernels (ced/kernels) against torch's arithmetic, and the promise that a row's result does not
+depend on the rows beside it."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ced import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.available(torch.float32), reason="no C++ compiler: the kernels are off")
+
+torch.manual_seed(0)
+
+
+def spec_of(weight_t, lora=None):
+    """A LinearSpec and the tensors it points into (kept alive by the caller)."""
+    panels = kernels.pack(weight_t)
+    if lora is None:
+        return kernels.LinearSpec.of(panels, *weight_t.shape), (panels,)
+    a, b = lora  # (S, r, in), (S, out, r)
+    a_panels = torch.stack([kernels.pack(slot.t()) for slot in a])
+    b_panels = torch.stack([kernels.pack(slot.t()) for slot in b])
+    return kernels.LinearSpec.of(panels, *weight_t.shape, (a_panels, b_panels, a.shape[1])), (panels, a_panels,
+                                                                                               b_panels)
+
+
+@pytest.mark.parametrize("shape", [(256, 768), (96, 100), (40, 4), (17, 1)])  # 64-wide, 16-wide and tail panels
+@torch.inference_mode()
+def test_matmul_matches_torch_and_a_row_has_the_same_bits_in_any_batch(shape):
+    weight_t = torch.randn(*shape)
+    spec, keep = spec_of(weight_t)
+    x = torch.randn(13, 1, shape[0])
+    batch = kernels.matmul(x, spec)
+    torch.testing.assert_close(batch, x @ weight_t, rtol=1e-5, atol=1e-4)
+    for row in range(13):
+        assert torch.equal(kernels.matmul(x[row:row + 1], spec), batch[row:row + 1])
+
+
+@torch.inference_mode()
+def test_each_row_adds_its_own_slots_lora_and_a_row_without_one_keeps_the_base_bits():
+    C, out, r, S = 64, 80, 8, 3
+    weight_t, a, b = torch.randn(C, out), torch.randn(S, r, C), torch.randn(S, out, r)
+    base, keep_base = spec_of(weight_t)
+    spec, keep = spec_of(weight_t, (a, b))
+    x, slots = torch.randn(5, 1, C), torch.tensor([2, -1, 0, 2, 1])
+    got = kernels.matmul(x, spec, slots)
+    for row, slot in enumerate(slots.tolist()):
+        expected = x[row] @ weight_t
+        if slot < 0:
+            assert torch.equal(got[row], kernels.matmul(x[row:row + 1], base)[0])
+        else:
+            expected = expected + (x[row] @ a[slot].t()) @ b[slot].t()
+        torch.testing.assert_close(got[row], expected, rtol=1e-5, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_swiglu_block_and_rms_norm_match_torch():
+    C, Fh, r, eps = 32, 48, 4, 1e-5
+    w = [torch.randn(C, Fh), torch.randn(C, Fh), torch.randn(Fh, C)]
+    loras = [(torch.randn(2, r, n_in), torch.randn(2, n_out, r)) for n_in, n_out in ((C, Fh), (C, Fh), (Fh, C))]
+    specs = [spec_of(weight_t, lora) for weight_t, lora in zip(w, loras)]
+    norm_weight, x, slots = torch.rand(C) + 0.5, torch.randn(3, 1, C), torch.tensor([1, -1, 0])
+    got = kernels.swiglu_block(x, norm_weight, eps, *(spec for spec, _ in specs), slots)
+
+    def linear(h, i, row):
+        y = h @ w[i]
+        if slots[row] >= 0:
+            a, b = loras[i][0][slots[row]], loras[i][1][slots[row]]
+            y = y + (h @ a.t()) @ b.t()
+        return y
+
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_weight
+    torch.testing.assert_close(kernels.rms_norm(x, norm_weight, eps), normed, rtol=1e-5, atol=1e-5)
+    for row in range(3):
+        n = normed[row]
+        expected = x[row] + linear(F.silu(linear(n, 0, row)) * linear(n, 1, row), 2, row)
+        torch.testing.assert_close(got[row], expected, rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_attend_one_masks_the_window_and_the_invalid_entries_as_torch_does():
+    B, H, S, D, K, W = 3, 2, 10, 16, 4, 6
+    q, keys, values = torch.randn(B, H, 1, D), torch.randn(B, H, S, D), torch.randn(B, H, S, D)
+    key_pos = torch.randint(0, 12, (B, S))
+    positions = torch.tensor([[9], [11], [5]])
+    k_sel, v_sel = torch.randn(B, H, 1, K, D), torch.randn(B, H, 1, K, D)
+    valid = torch.tensor([[[True, False, True, True]], [[False] * 4], [[True] * 4]])
+    scale = 1 / math.sqrt(D)
+    got = kernels.attend_one(q, keys, values, key_pos, positions, W, scale, (k_sel, v_sel, valid))
+    local = (q @ keys.transpose(-1, -2)) * scale  # (B, H, 1, S)
+    distance = positions[:, :, None] - key_pos[:, None, :]
+    local = local.masked_fill(((distance < 0) | (distance >= W))[:, None], float("-inf"))
+    glob = (q.unsqueeze(-2) @ k_sel.transpose(-1, -2)).squeeze(-2) * scale
+    glob = glob.masked_fill(~valid[:, None], float("-inf"))
+    probs = torch.cat([local, glob], -1).softmax(-1)
+    expected = probs[..., :S] @ values + (probs[..., S:].unsqueeze(-2) @ v_sel).squeeze(-2)
+    torch.testing.assert_close(got, expected.transpose(1, 2).reshape(B, 1, H * D), rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernels_stay_off_where_gradients_or_chunks_flow():
+    x = torch.randn(2, 1, 8)
+    assert not kernels.takes(x)  # grad mode: the kernels have no backward
+    with torch.inference_mode():
+        assert kernels.takes(x)
+        assert not kernels.takes(torch.randn(1, 4, 8))  # a chunk keeps MKL's arithmetic
+        assert not kernels.takes(torch.randn(kernels.MAX_ROWS + 1, 1, 8))
+        assert not kernels.takes(x.double())
