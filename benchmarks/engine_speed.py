@@ -1,12 +1,17 @@
 """Engine speed: tokens/s of prefill, replay and decode for each engine kind, interleaved in one run.
 
 Every engine serves the demo (the one every command uses, ced/demo.py; or --model) with its four adapters; replay
-and decode run under one of them. Each repeat times every engine in turn on the same work, so drift of the machine
-spreads over all rows:
+and decode run under one of them. Engines: `torch` (CEDEngine, one conversation's objects), `torch_serving` (the
+BatchedEngine the server runs, over its paged pool, one row, with the native decode kernels of ced/kernels),
+`torch_serving_no_kernels` (the same engine with the kernels turned off: torch's arithmetic), `onnxruntime` (and
+`tensorrt`). Each repeat times every engine in turn on the same work, so drift of the machine spreads over all rows:
 
 - prefill: a fresh conversation's `--context` tokens through the adapter-free stage (chunks of 256);
 - replay:  a switch at that context: the last W positions through the decoder under the adapter;
 - decode:  `--decode` greedy steps after the replay (each step runs both stages for one token).
+
+The `floor` row is the time one thread takes to read the bytes a decode step must read (every weight once, the
+tied embedding as the head) from memory, timed in the same repeats; `vs_floor` is each decode row's ms over it.
 
     python -m benchmarks.engine_speed [--quick] [--json PATH] [--plot PATH] [--trt-dir DIR]
 """
@@ -14,19 +19,69 @@ spreads over all rows:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from ced import kernels
+from ced.batched import BatchedEngine
 from ced.engines import make_engine
 
 from ._report import add_plot_option, markdown_table, median_spread, plot_path, save_figure, write_json
 
 COLUMNS = ["engine", "phase", "tokens", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "ms", "ms_min",
-           "ms_max", "speedup_vs_torch"]
+           "ms_max", "speedup_vs_torch", "vs_floor"]
 ADAPTERS = ("chat", "agent", "coding", "design")
+
+
+class ServingEngine:
+    """The server's engine (BatchedEngine over the paged pool) behind the serial verbs this benchmark calls, one
+    row at a time; `native=False` runs it with the kernels turned off."""
+
+    def __init__(self, engine, threads: int, native: bool = True):
+        self.batched = BatchedEngine(engine, chunk_threads=threads)
+        self.config, self.adapters = engine.config, engine.adapters
+        self.native, self._row = native, None
+
+    def _mode(self):
+        return contextlib.nullcontext() if self.native else kernels.turned_off()
+
+    def new_conversation(self):
+        if self._row is not None:
+            self.batched.close(self._row)
+        self._row = self.batched.open()
+        return self._row
+
+    def prefill(self, row, tokens: list[int]) -> None:
+        with self._mode():
+            for start in range(0, len(tokens), 256):
+                self.batched.prefill(row, tokens[start: start + 256])
+
+    def replay(self, row, adapter):
+        with self._mode():
+            logits, counts = self.batched.replay([row], [adapter])
+        return logits[0], counts[0]
+
+    def step(self, row, token: int, adapter):
+        with self._mode():
+            return self.batched.step([row], [token], [adapter])[0]
+
+
+class Floor:
+    """Reads `nbytes` of float32 once (a sum over them): the memory floor of a decode step that reads that much."""
+
+    def __init__(self, nbytes: int):
+        self.data = torch.ones(nbytes // 4)
+
+    def read(self) -> float:
+        return timed(lambda: float(self.data.sum()))
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())  # a tied weight counted once
 
 
 def timed(fn) -> float:
@@ -57,16 +112,19 @@ def run_phases(engine, history: list[int], adapter: str, n_decode: int) -> dict[
     return {"prefill": (len(history), prefill_s), "replay": (replayed, replay_s), "decode": (n_decode, decode_s)}
 
 
-def measure(engines: dict, history: list[int], adapter: str, n_decode: int, repeats: int) -> list[dict]:
+def measure(engines: dict, history: list[int], adapter: str, n_decode: int, repeats: int,
+            floor: Floor) -> list[dict]:
     for engine in engines.values():  # warm-up: first calls allocate and (ORT) pick kernels
         run_phases(engine, history[:64], adapter, 2)
     seconds = {(kind, phase): [] for kind in engines for phase in ("prefill", "replay", "decode")}
-    counts = {}
+    floor_s, counts = [], {}
     for _ in tqdm(range(repeats), desc="repeats (every engine in turn)"):
         for kind, engine in engines.items():
             for phase, (n, s) in run_phases(engine, history, adapter, n_decode).items():
                 seconds[(kind, phase)].append(s)
                 counts[phase] = n
+        floor_s.append(min(floor.read() for _ in range(5)))  # one step's worth of reads, its best of 5
+    floor_ms = 1e3 * median_spread(floor_s)[0]
     rows = []
     for phase in ("prefill", "replay", "decode"):
         torch_rate = None
@@ -77,7 +135,12 @@ def measure(engines: dict, history: list[int], adapter: str, n_decode: int, repe
             rows.append(dict(engine=kind, phase=phase, tokens=counts[phase], tokens_per_s=rate,
                              tokens_per_s_min=counts[phase] / (ms_max / 1e3),
                              tokens_per_s_max=counts[phase] / (ms_min / 1e3), ms=ms, ms_min=ms_min, ms_max=ms_max,
-                             speedup_vs_torch=rate / torch_rate if torch_rate else float("nan")))
+                             speedup_vs_torch=rate / torch_rate if torch_rate else float("nan"),
+                             vs_floor=ms / counts[phase] / floor_ms if phase == "decode" else float("nan")))
+    n = counts["decode"]
+    rows.append(dict(engine="floor", phase="decode", tokens=n, tokens_per_s=1e3 / floor_ms, tokens_per_s_min=None,
+                     tokens_per_s_max=None, ms=floor_ms * n, ms_min=None, ms_max=None, speedup_vs_torch=None,
+                     vs_floor=1.0))
     return rows
 
 
@@ -88,8 +151,8 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     phases = ["prefill", "replay", "decode"]
-    kinds = list(dict.fromkeys(r["engine"] for r in rows))
-    figure, axis = plt.subplots(figsize=(7, 4))
+    kinds = list(dict.fromkeys(r["engine"] for r in rows if r["engine"] != "floor"))
+    figure, axis = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(kinds)
     for i, kind in enumerate(kinds):
         these = [next(r for r in rows if r["engine"] == kind and r["phase"] == p) for p in phases]
@@ -97,6 +160,8 @@ def plot(rows: list[dict], path: str) -> None:
         axis.bar(x, [r["tokens_per_s"] for r in these], width, label=kind,
                  yerr=[[r["tokens_per_s"] - r["tokens_per_s_min"] for r in these],
                        [r["tokens_per_s_max"] - r["tokens_per_s"] for r in these]], capsize=3)
+    floor = next(r for r in rows if r["engine"] == "floor")
+    axis.hlines(floor["tokens_per_s"], 1.6, 2.4, colors="black", linestyles="dashed", label="decode floor (weights read once)")
     axis.set_xticks(range(len(phases)), phases)
     axis.set(yscale="log", ylabel="tokens/s (median, min-max)", title="CED engines on the demo model")
     axis.legend()
@@ -129,18 +194,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(demo.describe())
         args.model = demo.model_dir
 
-    engines = {"torch": make_engine("torch", args.model),
+    serving = make_engine("torch", args.model)
+    engines = {"torch": make_engine("torch", args.model), "torch_serving": ServingEngine(serving, args.threads),
+               "torch_serving_no_kernels": ServingEngine(serving, args.threads, native=False),
                "onnxruntime": make_engine("onnxruntime", args.model, engine_dir=args.onnx_dir, threads=args.threads)}
     if args.trt_dir:
         engines["tensorrt"] = make_engine("tensorrt", args.model, engine_dir=args.trt_dir)
     adapters = [name for name in ADAPTERS if (args.model.parent / "adapters" / name).is_dir()]
-    for engine in engines.values():
+    for engine in {id(engine.adapters): engine for engine in engines.values()}.values():  # serving's share one set
         for name in adapters:
             engine.adapters.load(name, args.model.parent / "adapters" / name)
     adapter = "coding" if "coding" in adapters else None
     config = engines["torch"].config
     history = torch.randint(0, config.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist()
-    rows = measure(engines, history, adapter, n_decode, repeats)
+    floor = Floor(weight_bytes(engines["torch"].model))
+    rows = measure(engines, history, adapter, n_decode, repeats, floor)
     print(f"\nEngine speed on {args.model} (W={config.window}; {context}-token prefill, replay of W under "
           f"{adapter!r}, {n_decode} decode steps; medians with min-max over {repeats} interleaved repeats, "
           f"{args.threads} threads)\n")

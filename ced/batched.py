@@ -15,6 +15,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import Tensor
 
+from . import kernels
 from .cpu_share import FreeCpus
 from .engine import CEDEngine, SamplingParams, StateError, check_tokens, sample
 from .model import SharedOutput
@@ -30,9 +31,11 @@ CHUNK_THREADS_MIN_POSITIONS = 128
 
 
 class BatchedEngine:
-    """`chunk_threads`: the most torch threads of a large prefill or replay call, each call taking as many as other
-    processes leave CPUs free (ced/cpu_share.py); None: the caller's setting, as decode steps always use (their
-    ~1,500 small operations lose more to waking a second thread than they gain).
+    """`chunk_threads`: the most threads of a large prefill or replay call, and of a decode step's larger products
+    in the native kernels (ced/kernels: a second thread reads the upper half of each weight), each call taking as
+    many as other processes leave CPUs free (ced/cpu_share.py); None: the caller's torch setting for chunks, one
+    thread for the kernels. A decode step's torch operations always run on the caller's setting (their small
+    operations lose more to waking a second thread than they gain).
     `capacity_bytes`: the pool's room before it must grow (PagePool)."""
 
     def __init__(self, engine: CEDEngine, page_entries: int = 64, chunk_threads: int | None = None,
@@ -140,6 +143,7 @@ class BatchedEngine:
         for row in rows:
             self.pool.reserve(row, row.length + 1)
         cache, positions = PagedCache(self.pool, rows, starts, 1), _positions(starts, 1)
+        kernels.set_threads(self.free_cpus.threads(self.chunk_threads or 1))  # the step's larger products
         with self.engine._rows(adapters):
             out = self.model.shared_stage(torch.tensor(tokens)[:, None], positions, cache)
             self._keep_stream(rows, starts, out)

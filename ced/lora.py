@@ -50,8 +50,9 @@ def transposed(weight: Tensor) -> Tensor:
 
 
 def panels_of(weight_t: Tensor) -> Tensor | None:
-    """The weight (in, out) in the native kernel's panels (ced/kernels), where the kernel takes its dtype."""
-    return kernels.pack(weight_t) if kernels.available(weight_t.dtype) else None
+    """The weight (in, out) in the native kernel's panels (ced/kernels), where the kernel takes it: float32 in the
+    CPU's memory (not a model built on the meta device to list its modules)."""
+    return kernels.pack(weight_t) if weight_t.device.type == "cpu" and kernels.available(weight_t.dtype) else None
 
 
 class PackedLinear(nn.Module):
@@ -98,8 +99,8 @@ class MultiLoRALinear(nn.Module):
         # the native kernel's copies (ced/kernels): the base's panels, each slot's A^T and B^T packed
         self.panels = panels_of(self.weight_t)
         if self.panels is not None:
-            self.a_panels = torch.zeros(n_slots, base.in_features * max_rank)
-            self.b_panels = torch.zeros(n_slots, max_rank * base.out_features)
+            self.a_panels = torch.zeros(n_slots, base.in_features * max_rank, dtype=torch.float32)
+            self.b_panels = torch.zeros(n_slots, max_rank * base.out_features, dtype=torch.float32)
             shape = (base.in_features, base.out_features)
             self.base_spec = kernels.LinearSpec.of(self.panels, *shape)
             self.lora_spec = kernels.LinearSpec.of(self.panels, *shape, (self.a_panels, self.b_panels, max_rank))

@@ -266,6 +266,11 @@ class CEDLayer(nn.Module):
         self.mlp = SwiGLU(config)
 
     def attention_block(self, x, positions, cache, selection, last_only: bool = False, tables=None):
+        native = cache.native_decode(positions, tables) if tables and not last_only and kernels.takes(x) else None
+        if native is not None:  # a decode step over the paged pool: the block in two native calls
+            block = native.attention_block(self, x, selection)
+            if block is not None:
+                return block
         out, selection = self.attn(self.attn_norm(x), positions, cache, selection, last_only, tables)
         return (x[:, -1:] if last_only else x) + out, selection
 

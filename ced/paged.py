@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from . import kernels
 from .config import CEDConfig
+from .native_decode import NativeDecode
 from .state import PoolBlocks, Selection
 
 FAR = -(1 << 30)  # the position given to an empty ring place: farther than any window reaches
@@ -278,15 +280,12 @@ class PagedCache:
             # Only the filled places: while every row is shorter than W, the places past the longest are empty.
             pool.write_window(ring_k, self.slots, self.starts, k)
             pool.write_window(ring_v, self.slots, self.starts, v)
-            filled = min(pool.W, max(self.ends))
-            if "ring" not in self._past:
-                held = torch.tensor(self.starts)[:, None]
-                ring_positions = held - (held - torch.arange(filled)[None]).remainder(pool.W)  # (B, filled)
-                self._past["ring"] = ring_positions.masked_fill(ring_positions < 0, FAR)
+            key_pos = self.ring_key_positions()
+            filled = key_pos.shape[1]
             if self.span is not None:
-                return ring_k[self.span, :, :filled], ring_v[self.span, :, :filled], self._past["ring"]
+                return ring_k[self.span, :, :filled], ring_v[self.span, :, :filled], key_pos
             copied = (ring[:, :, :filled].index_select(0, self.slots) for ring in (ring_k, ring_v))
-            return *copied, self._past["ring"]
+            return *copied, key_pos
         # A chunk (prefill, replay): the window before it in order, then the chunk itself.
         count = 0 if layer in self.fresh else min(pool.W, max(self.starts))
         if count:
@@ -300,6 +299,25 @@ class PagedCache:
             return k, v, positions
         return (torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2),
                 torch.cat([past, positions.expand(past.shape[0], -1)], dim=1))
+
+    def ring_key_positions(self) -> Tensor:
+        """A decode step's (B, filled): the position each ring place holds once this step's token is written
+        (FAR where empty)."""
+        if "ring" not in self._past:
+            held = torch.tensor(self.starts)[:, None]
+            filled = min(self.pool.W, max(self.ends))
+            ring_positions = held - (held - torch.arange(filled)[None]).remainder(self.pool.W)  # (B, filled)
+            self._past["ring"] = ring_positions.masked_fill(ring_positions < 0, FAR)
+        return self._past["ring"]
+
+    def native_decode(self, positions: Tensor, tables: tuple[Tensor, Tensor]):
+        """The native form of this call's attention blocks (ced/native_decode.py) where it is a decode step on
+        float32 rings and the kernels are built; else None."""
+        if self.length != 1 or self.fresh or self.pool.dtype != torch.float32 or not kernels.available(torch.float32):
+            return None
+        if "native" not in self._past:
+            self._past["native"] = NativeDecode(self, positions, tables)
+        return self._past["native"]
 
     def compress(self, layer: int, xn: Tensor, pool_blocks: PoolBlocks) -> None:
         pending, m = self.pool.pending[layer], self.m

@@ -312,6 +312,10 @@ class AttentionCache(Protocol):
     def gather(self, source: int, idx: Tensor) -> tuple[Tensor, Tensor]:
         """The global K and V (B, T, k, H, D) of the entries idx (B, T, k) of each row."""
 
+    def native_decode(self, positions: Tensor, tables: tuple[Tensor, Tensor]):
+        """The attention blocks of this call in native kernels (ced/native_decode.NativeDecode), or None where the
+        cache has no native form: only the paged pool's decode steps have one."""
+
 
 class ListCache:
     """The cache over one conversation's LocalWindow / GlobalKV objects (or rows that share positions, as in
@@ -353,6 +357,9 @@ class ListCache:
         store = self.stores[source]
         rows = torch.arange(idx.shape[0], device=idx.device)[:, None, None]
         return store.k[rows, idx], store.v[rows, idx]
+
+    def native_decode(self, positions: Tensor, tables: tuple[Tensor, Tensor]) -> None:
+        return None
 
 
 class ExportCache:
@@ -401,3 +408,6 @@ class ExportCache:
         picks = idx + (torch.arange(B, device=idx.device) * (N + 1))[:, None, None]  # into the rows laid end to end
         flat = lambda t: torch.cat([t, zero], dim=1).reshape(-1, *t.shape[2:])  # noqa: E731  (B * (N + 1), H, D)
         return flat(k)[picks], flat(v)[picks]
+
+    def native_decode(self, positions: Tensor, tables: tuple[Tensor, Tensor]) -> None:
+        return None

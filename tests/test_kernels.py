@@ -1,6 +1,7 @@
 """The native decode kernels (ced/kernels) against torch's arithmetic, and the promise that a row's result does not
 depend on the rows beside it."""
 
+import contextlib
 import math
 
 import pytest
@@ -107,3 +108,47 @@ def test_the_kernels_stay_off_where_gradients_or_chunks_flow():
         assert not kernels.takes(torch.randn(1, 4, 8))  # a chunk keeps MKL's arithmetic
         assert not kernels.takes(torch.randn(kernels.MAX_ROWS + 1, 1, 8))
         assert not kernels.takes(x.double())
+
+
+def test_two_threads_give_the_same_bits():
+    weight_t = torch.randn(256, 1000)  # above the size the kernel splits, a 16-wide and a tail panel at the end
+    spec, keep = spec_of(weight_t)
+    x = torch.randn(5, 1, 256)
+    with torch.inference_mode():
+        alone = kernels.matmul(x, spec)
+        kernels.set_threads(2)
+        try:
+            split = [kernels.matmul(x, spec) for _ in range(20)]  # the worker sleeps and wakes between some
+        finally:
+            kernels.set_threads(1)
+    assert all(torch.equal(alone, y) for y in split)
+
+
+def test_a_native_decode_step_is_the_torch_step_to_float_tolerance(adapter_dirs, tiny_model):
+    """Three ragged rows under three adapters (one none), 20 steps over block ends and page ends: the native step
+    (ced/native_decode.py) and the torch step choose the same global entries and agree on the logits."""
+    from ced import CEDEngine
+    from ced.batched import BatchedEngine
+
+    def run(native: bool):
+        engine = CEDEngine(tiny_model(), max_adapters=4, max_rank=8)
+        for name in ("A1", "L0"):
+            engine.adapters.load(name, adapter_dirs[name])
+        batched, adapters = BatchedEngine(engine, page_entries=4), ["A1", None, "L0"]
+        rows = []
+        for length, seed in ((61, 1), (200, 2), (9, 3)):
+            row = batched.open()
+            batched.prefill(row, torch.randint(0, 300, (length,), generator=torch.Generator().manual_seed(seed)).tolist())
+            rows.append(row)
+        logits, _ = batched.replay(rows, adapters)
+        out = []
+        for _ in range(20):
+            with contextlib.nullcontext() if native else kernels.turned_off():
+                logits = batched.step(rows, logits.argmax(-1).tolist(), adapters)
+            out.append(logits)
+        return torch.stack(out), batched.pool.sel_idx.clone(), batched.pool.sel_valid.clone()
+
+    native, torch_path = run(True), run(False)
+    assert native[2].equal(torch_path[2])
+    assert native[1].masked_fill(~native[2], 0).equal(torch_path[1].masked_fill(~torch_path[2], 0))
+    assert float((native[0] - torch_path[0]).abs().max()) < 1e-4

@@ -13,6 +13,7 @@ compiler the engine says so once and keeps torch's matmul. Only float32 weights 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("small_gemm.cpp")
 BUILD_ROOT = Path(__file__).resolve().parents[2] / "artifacts" / "native"
-FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC", "-std=gnu++17"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC", "-std=gnu++20", "-pthread"]
 # Up to this many rows a decode step takes the kernels, above it MKL's GEMM, whose blocking wins once the product
 # is compute-bound.
 MAX_ROWS = 32
@@ -75,6 +76,14 @@ class LinearSpec(ctypes.Structure):
                    b.shape[1] if b is not None else 0, rank)
 
 
+class DecodeRows(ctypes.Structure):
+    """small_gemm.cpp's `DecodeRows`: what every layer of one decode step over the paged pool shares."""
+
+    _fields_ = [("B", _c_int), ("slots", _ptr), ("positions", _ptr), ("key_pos", _ptr), ("filled", _c_long),
+                ("window", _c_long), ("table", _ptr), ("table_width", _c_long), ("page_entries", _c_long),
+                ("n_entries", _c_long), ("block", _c_long), ("cos", _ptr), ("sin", _ptr), ("lora_slots", _ptr)]
+
+
 def _load() -> ctypes.CDLL | None:
     if os.environ.get("MOL2_NATIVE", "1") == "0":
         return None
@@ -88,14 +97,20 @@ def _load() -> ctypes.CDLL | None:
         detail = getattr(error, "stderr", "") or error
         log.warning("the native decode kernel did not build, decode steps use torch's matmul: %s", detail)
         return None
-    spec = ctypes.POINTER(LinearSpec)
+    spec, rows, f32 = ctypes.POINTER(LinearSpec), ctypes.POINTER(DecodeRows), ctypes.c_float
     signatures = {
         "pack_weight": (None, [_ptr, _c_long, _c_long, _ptr]),
+        "set_threads": (None, [_c_int]),
         "linear": (_c_int, [spec, _ptr, _c_long, _c_int, _ptr, _ptr, _c_long]),
         "rms_norm": (None, [_ptr, _c_int, _c_long, _ptr, ctypes.c_float, _ptr]),
         "swiglu_block": (_c_int, [_ptr, _c_int, _ptr, ctypes.c_float, spec, spec, spec, _ptr, _ptr]),
         "attend_one": (None, [_ptr, _c_int, _c_long, _c_long, _ptr, _ptr, _c_long, _c_long, _c_long, _ptr,
                               _c_long, _ptr, _c_long, _ptr, _ptr, _ptr, _c_long, ctypes.c_float, _ptr]),
+        "attention_pre": (_c_int, [rows, _ptr, _ptr, f32, spec, spec, spec, _c_long, _c_long, _ptr, _ptr, _ptr,
+                                   _ptr]),
+        "index_select": (_c_int, [rows, _ptr, spec, spec, _ptr, _c_long, _c_long, _c_long, _ptr, _ptr]),
+        "attention_post": (_c_int, [rows, _ptr, _ptr, _ptr, _ptr, _c_long, _c_long, f32, _ptr, _ptr, _ptr, _ptr,
+                                    _c_long, spec, _ptr]),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(lib, name)
@@ -126,18 +141,40 @@ def pack(weight_t: Tensor) -> Tensor:
     return packed
 
 
+_turned_off = 0  # turned_off() depth
+
+
+@contextlib.contextmanager
+def turned_off():
+    """Torch's arithmetic for every call inside (a benchmark's baseline, interleaved with the kernels' rows)."""
+    global _turned_off
+    _turned_off += 1
+    try:
+        yield
+    finally:
+        _turned_off -= 1
+
+
 def takes(x: Tensor) -> bool:
     """Whether work on x (B, C) or (B, 1, C) goes to the kernels: one position per row (a decode step; a chunk of
     a prefill or replay keeps MKL's arithmetic, so a replayed window has the bits of the one-pass oracle), few
     rows, float32 on the CPU, and neither gradients (the kernels have no backward) nor a tracer or compiler
     watching (they see torch operations only)."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and (x.dim() == 2 or x.shape[-2] == 1)
+    return (not _turned_off and x.dtype == torch.float32 and x.device.type == "cpu"
+            and (x.dim() == 2 or x.shape[-2] == 1)
             and x.numel() <= MAX_ROWS * x.shape[-1]
             and not torch.is_grad_enabled() and not torch.jit.is_tracing() and not torch.compiler.is_compiling()
             and not torch.onnx.is_in_onnx_export())
 
 
-def _rank_error(code: int) -> None:
+def set_threads(n: int) -> None:
+    """Threads of the larger products from now on: 2 where two CPUs are free, else 1 (ced/batched.py asks)."""
+    if library() is not None:
+        _LIB.set_threads(n)
+
+
+def check(code: int) -> None:
+    """A kernel's return code: nonzero where a LoRA rank is above the kernel's limit."""
     if code:
         raise ValueError("a LoRA rank above the native kernel's limit (1024)")
 
@@ -147,7 +184,7 @@ def matmul(x: Tensor, spec: LinearSpec, slots: Tensor | None = None) -> Tensor:
     x = x.contiguous()
     rows = x.numel() // spec.in_features
     y = x.new_empty(*x.shape[:-1], spec.out_features)
-    _rank_error(_LIB.linear(spec, x.data_ptr(), spec.in_features, rows, None if slots is None else slots.data_ptr(),
+    check(_LIB.linear(spec, x.data_ptr(), spec.in_features, rows, None if slots is None else slots.data_ptr(),
                             y.data_ptr(), spec.out_features))
     return y
 
@@ -164,7 +201,7 @@ def swiglu_block(x: Tensor, norm_weight: Tensor, eps: float, gate: LinearSpec, u
     """x + down(silu(gate(n)) * up(n)) with n the RMSNorm of x, in one call."""
     x = x.contiguous()
     y = torch.empty_like(x)
-    _rank_error(_LIB.swiglu_block(x.data_ptr(), x.numel() // x.shape[-1], norm_weight.data_ptr(), eps, gate, up,
+    check(_LIB.swiglu_block(x.data_ptr(), x.numel() // x.shape[-1], norm_weight.data_ptr(), eps, gate, up,
                                   down, None if slots is None else slots.data_ptr(), y.data_ptr()))
     return y
 

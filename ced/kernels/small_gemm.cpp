@@ -8,6 +8,10 @@
 //
 // Built by ced/kernels/__init__.py with the host's compiler for the host's CPU (-O3 -march=native).
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <unistd.h>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -54,6 +58,77 @@ void panel_rows(const float* x, long ldx, int M, const float* panel, long in, lo
 
 long panel_width(long left) { return left >= 64 ? 64 : left >= 16 ? 16 : left; }
 
+// Columns [o_begin, o_end) of y (+)= x @ W, o_begin a multiple of 64 (the 64-wide panels come first).
+void gemm_columns(const float* x, long ldx, int M, const float* packed, long in, long out, float* y, long ldy,
+                  bool accumulate, long o_begin, long o_end) {
+  long o = o_begin;
+  const float* panel = packed + o_begin * in;
+  for (; o + 64 <= o_end; o += 64, panel += 64 * in) panel_rows<4>(x, ldx, M, panel, in, o, y, ldy, accumulate);
+  for (; o + 16 <= o_end; o += 16, panel += 16 * in) panel_rows<1>(x, ldx, M, panel, in, o, y, ldy, accumulate);
+  const long width = o_end - o;
+  for (int m = 0; m < M; ++m)
+    for (long j = 0; j < width; ++j) {
+      float sum = accumulate ? y[m * ldy + o + j] : 0.0f;
+      for (long i = 0; i < in; ++i) sum += x[m * ldx + i] * panel[i * width + j];
+      y[m * ldy + o + j] = sum;
+    }
+}
+
+// A second thread for the larger products: one step reads every weight once, and one core's reads alone do not
+// reach the memory's bandwidth. The worker takes the upper half of a product's columns (a column's arithmetic is
+// the same whichever thread runs it: the bits do not depend on the threads). Between products it spins for
+// SPIN_NS, then sleeps on a futex (std::atomic::wait), so a step's Python between its products does not cost
+// a wake-up each time, and an idle engine holds no CPU.
+struct Half {
+  const float* x; long ldx; int M; const float* packed; long in, out; float* y; long ldy; bool accumulate;
+  long o_begin, o_end;
+};
+constexpr long SPIN_NS = 50000;
+constexpr long PARALLEL_FLOATS = 1 << 16;  // products of at least this many weights (256 KB) are split
+std::atomic<unsigned> posted{0}, finished{0};
+Half half;
+std::atomic<int> threads{1};
+std::atomic_flag busy = ATOMIC_FLAG_INIT;  // the worker serves one caller at a time; another runs alone
+pid_t worker_pid = 0;  // the process that started the worker (a forked child has none and starts its own)
+
+void worker_loop(unsigned seen) {  // `seen`: the last ticket before the worker started
+  for (;;) {
+    const auto start = std::chrono::steady_clock::now();
+    unsigned now;
+    while ((now = posted.load(std::memory_order_acquire)) == seen) {
+      if (std::chrono::steady_clock::now() - start > std::chrono::nanoseconds(SPIN_NS)) {
+        posted.wait(seen, std::memory_order_acquire);
+      }
+    }
+    seen = now;
+    gemm_columns(half.x, half.ldx, half.M, half.packed, half.in, half.out, half.y, half.ldy, half.accumulate,
+                 half.o_begin, half.o_end);
+    finished.store(now, std::memory_order_release);
+  }
+}
+
+void gemm_split(const float* x, long ldx, int M, const float* packed, long in, long out, float* y, long ldy,
+                bool accumulate) {
+  const long split = (out / 2 + 63) / 64 * 64;
+  if (threads.load() < 2 || in * out < PARALLEL_FLOATS || split >= out || busy.test_and_set()) {
+    gemm_columns(x, ldx, M, packed, in, out, y, ldy, accumulate, 0, out);
+    return;
+  }
+  if (worker_pid != getpid()) {
+    worker_pid = getpid();
+    finished.store(posted.load());
+    std::thread(worker_loop, posted.load()).detach();
+  }
+  half = Half{x, ldx, M, packed, in, out, y, ldy, accumulate, split, out};
+  const unsigned ticket = posted.load() + 1;
+  posted.store(ticket, std::memory_order_release);
+  posted.notify_one();
+  gemm_columns(x, ldx, M, packed, in, out, y, ldy, accumulate, 0, split);
+  while (finished.load(std::memory_order_acquire) != ticket) {
+  }
+  busy.clear();
+}
+
 }  // namespace
 
 extern "C" {
@@ -66,20 +141,13 @@ void pack_weight(const float* w, long in, long out, float* packed) {
   }
 }
 
+// How many threads the larger products use: 1 or 2 (the engine asks for what other processes leave free).
+void set_threads(int n) { threads.store(n < 2 ? 1 : 2); }
+
 // y[m, :] (+)= x[m, :] @ W for m < M; x rows ldx apart, y rows ldy apart; W packed by pack_weight.
 void gemm_rows(const float* x, long ldx, int M, const float* packed, long in, long out, float* y, long ldy,
                int accumulate) {
-  long o = 0;
-  const float* panel = packed;
-  for (; o + 64 <= out; o += 64, panel += 64 * in) panel_rows<4>(x, ldx, M, panel, in, o, y, ldy, accumulate);
-  for (; o + 16 <= out; o += 16, panel += 16 * in) panel_rows<1>(x, ldx, M, panel, in, o, y, ldy, accumulate);
-  const long width = out - o;
-  for (int m = 0; m < M; ++m)
-    for (long j = 0; j < width; ++j) {
-      float sum = accumulate ? y[m * ldy + o + j] : 0.0f;
-      for (long i = 0; i < in; ++i) sum += x[m * ldx + i] * panel[i * width + j];
-      y[m * ldy + o + j] = sum;
-    }
+  gemm_split(x, ldx, M, packed, in, out, y, ldy, accumulate);
 }
 
 // A linear of the model: its packed weight and, where it has LoRA slots, the slots' packed A (in, rank) and B
@@ -186,6 +254,168 @@ void attend_one(const float* q, int B, long H, long D, const float* keys, const 
         for (long d = 0; d < D; ++d) o[d] += w * gv[j * D + d];
       }
     }
+}
+
+
+// -- a decode step's attention over the paged pool (ced/paged.py), in place -----------------------------------
+
+// What every layer of one decode step shares: its rows, their positions, rings and pages. Mirrored by
+// ced/kernels DecodeRows.
+struct DecodeRows {
+  int B;
+  const long* slots;       // (B) each row's ring slot
+  const long* positions;   // (B) the position of this step's token
+  const long* key_pos;     // (B, filled) the position held in each ring place after this step's write (or far)
+  long filled;             // ring places to read
+  long window;             // W: the ring's length and the attention window
+  const long* table;       // (B, table_width) page table
+  long table_width;
+  long page_entries;
+  long n_entries;          // global entries the step may read (the longest row's completed blocks)
+  long block;              // block size of the global entries
+  const float* cos;        // (B, D/2) RoPE at each row's position
+  const float* sin;
+  const long* lora_slots;  // (B) each row's LoRA slot, or null
+};
+
+namespace {
+
+// Llama's rotation of pairs (i, i + D/2) of each of H heads of x (H * D), in place.
+void rope(float* x, long H, long D, const float* cos, const float* sin) {
+  const long half = D / 2;
+  for (long h = 0; h < H; ++h, x += D)
+    for (long i = 0; i < half; ++i) {
+      const float a = x[i], b = x[i + half];
+      x[i] = a * cos[i] - b * sin[i];
+      x[i + half] = a * sin[i] + b * cos[i];
+    }
+}
+
+// The global entry `entry` of row b: its (H, ...) block in a buffer of pages of `page_entries` entries of `width`.
+inline long entry_offset(const DecodeRows* r, int b, long entry, long width) {
+  const long page = r->table[b * r->table_width + entry / r->page_entries];
+  return (page * r->page_entries + entry % r->page_entries) * width;
+}
+
+}  // namespace
+
+// The first half of a layer's attention for one token per row: xn = rms_norm(x); q, k, v with the rows' LoRA;
+// RoPE on q and k; k and v written into the rings at each row's position. xn (B, C) and q (B, H * D) out.
+int attention_pre(const DecodeRows* r, const float* x, const float* norm_w, float eps, const Linear* q_lin,
+                  const Linear* k_lin, const Linear* v_lin, long H, long D, float* ring_k, float* ring_v,
+                  float* xn, float* q) {
+  const int B = r->B;
+  const long C = q_lin->in, HD = H * D, half = D / 2;
+  std::vector<float> k(B * HD), v(B * HD);
+  rms_norm(x, B, C, norm_w, eps, xn);
+  if (linear(q_lin, xn, C, B, r->lora_slots, q, HD) || linear(k_lin, xn, C, B, r->lora_slots, k.data(), HD) ||
+      linear(v_lin, xn, C, B, r->lora_slots, v.data(), HD))
+    return -1;
+  for (int b = 0; b < B; ++b) {
+    rope(q + b * HD, H, D, r->cos + b * half, r->sin + b * half);
+    rope(k.data() + b * HD, H, D, r->cos + b * half, r->sin + b * half);
+    const long place = r->positions[b] % r->window;
+    for (long h = 0; h < H; ++h) {
+      const long at = ((r->slots[b] * H + h) * r->window + place) * D;
+      std::memcpy(ring_k + at, k.data() + b * HD + h * D, D * sizeof(float));
+      std::memcpy(ring_v + at, v.data() + b * HD + h * D, D * sizeof(float));
+    }
+  }
+  return 0;
+}
+
+// The indexer's choice for one query per row: the top_k global entries by ReLU-weighted score, an entry's block
+// ending after the row's position scoring -inf, ties to the most recent; fewer than top_k entries pad invalid.
+// As Indexer.select and top_k_recent (ced/model.py) compute it. idx (B, top_k) and valid (B, top_k) out.
+int index_select(const DecodeRows* r, const float* xn, const Linear* query, const Linear* weight,
+                 const float* index_keys, long heads, long dim, long top_k, long* idx, bool* valid) {
+  const int B = r->B;
+  const long C = query->in, N = r->n_entries, k = std::min(top_k, N);
+  std::vector<float> q(B * heads * dim), w(B * heads), scores(N);
+  std::vector<long> order(N);
+  if (linear(query, xn, C, B, r->lora_slots, q.data(), heads * dim) ||
+      linear(weight, xn, C, B, r->lora_slots, w.data(), heads))
+    return -1;
+  for (int b = 0; b < B; ++b) {
+    for (long n = 0; n < N; ++n) {
+      if ((n + 1) * r->block - 1 > r->positions[b]) {
+        scores[n] = -INFINITY;
+        continue;
+      }
+      const float* key = index_keys + entry_offset(r, b, n, dim);
+      float score = 0.0f;
+      for (long h = 0; h < heads; ++h) {
+        const float* qh = q.data() + (b * heads + h) * dim;
+        float dot = 0.0f;
+        for (long d = 0; d < dim; ++d) dot += qh[d] * key[d];
+        score += w[b * heads + h] * std::max(dot, 0.0f);
+      }
+      scores[n] = score;
+    }
+    for (long n = 0; n < N; ++n) order[n] = n;
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](long a, long c) {
+      return scores[a] > scores[c] || (scores[a] == scores[c] && a > c);
+    });
+    for (long j = 0; j < top_k; ++j) {
+      idx[b * top_k + j] = j < k ? order[j] : 0;
+      valid[b * top_k + j] = j < k && scores[order[j]] > -INFINITY;
+    }
+  }
+  return 0;
+}
+
+// The second half: each row's one query over its ring (masked by distance) and, with a selection, its selected
+// global entries (gk / gv: pages of (H, D) entries), then o with the rows' LoRA and the residual: y = x + o(...).
+int attention_post(const DecodeRows* r, const float* x, const float* q, const float* ring_k, const float* ring_v,
+                   long H, long D, float scale, const float* gk, const float* gv, const long* idx, const bool* valid,
+                   long top_k, const Linear* o_lin, float* y) {
+  const int B = r->B;
+  const long HD = H * D, S = r->filled, K = (gk && idx) ? top_k : 0;
+  std::vector<float> out(B * HD), p(S + K);
+  for (int b = 0; b < B; ++b)
+    for (long h = 0; h < H; ++h) {
+      const float* qh = q + b * HD + h * D;
+      const float* keys = ring_k + (r->slots[b] * H + h) * r->window * D;
+      const float* values = ring_v + (r->slots[b] * H + h) * r->window * D;
+      float top = -INFINITY;
+      for (long s = 0; s < S; ++s) {
+        const long distance = r->positions[b] - r->key_pos[b * S + s];
+        float score = -INFINITY;
+        if (distance >= 0 && distance < r->window) {
+          float dot = 0.0f;
+          for (long d = 0; d < D; ++d) dot += qh[d] * keys[s * D + d];
+          score = dot * scale;
+        }
+        top = std::max(top, p[s] = score);
+      }
+      for (long j = 0; j < K; ++j) {
+        float score = -INFINITY;
+        if (valid[b * K + j]) {
+          const float* key = gk + entry_offset(r, b, idx[b * K + j], HD) + h * D;
+          float dot = 0.0f;
+          for (long d = 0; d < D; ++d) dot += qh[d] * key[d];
+          score = dot * scale;
+        }
+        top = std::max(top, p[S + j] = score);
+      }
+      float total = 0.0f;
+      for (long i = 0; i < S + K; ++i) total += (p[i] = std::exp(p[i] - top));
+      float* o = out.data() + b * HD + h * D;
+      for (long s = 0; s < S; ++s) {
+        const float weight = p[s] / total;
+        for (long d = 0; d < D; ++d) o[d] += weight * values[s * D + d];
+      }
+      for (long j = 0; j < K; ++j) {
+        if (!valid[b * K + j]) continue;
+        const float weight = p[S + j] / total;
+        const float* value = gv + entry_offset(r, b, idx[b * K + j], HD) + h * D;
+        for (long d = 0; d < D; ++d) o[d] += weight * value[d];
+      }
+    }
+  const long C = o_lin->out;
+  if (linear(o_lin, out.data(), HD, B, r->lora_slots, y, C)) return -1;
+  for (long i = 0; i < B * C; ++i) y[i] = x[i] + y[i];
+  return 0;
 }
 
 }  // extern "C"
