@@ -58,6 +58,18 @@ void panel_rows(const float* x, long ldx, int M, const float* panel, long in, lo
 
 long panel_width(long left) { return left >= 64 ? 64 : left >= 16 ? 16 : left; }
 
+// sum_i a[i] * b[i]: 16 lanes of partial sums while 16 remain, added lane by lane, then the rest in order (a fixed
+// order for a given n: the same bits for every call).
+inline float dot(const float* a, const float* b, long n) {
+  v16 acc = {};
+  long i = 0;
+  for (; i + 16 <= n; i += 16) acc += load(a + i) * load(b + i);
+  float sum = 0.0f;
+  for (int lane = 0; lane < 16; ++lane) sum += acc[lane];
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
 // Columns [o_begin, o_end) of y (+)= x @ W, o_begin a multiple of 64 (the 64-wide panels come first).
 void gemm_columns(const float* x, long ldx, int M, const float* packed, long in, long out, float* y, long ldy,
                   bool accumulate, long o_begin, long o_end) {
@@ -74,22 +86,22 @@ void gemm_columns(const float* x, long ldx, int M, const float* packed, long in,
     }
 }
 
-// A second thread for the larger products: one step reads every weight once, and one core's reads alone do not
-// reach the memory's bandwidth. The worker takes the upper half of a product's columns (a column's arithmetic is
-// the same whichever thread runs it: the bits do not depend on the threads). Between products it spins for
-// SPIN_NS, then sleeps on a futex (std::atomic::wait), so a step's Python between its products does not cost
-// a wake-up each time, and an idle engine holds no CPU.
-struct Half {
-  const float* x; long ldx; int M; const float* packed; long in, out; float* y; long ldy; bool accumulate;
-  long o_begin, o_end;
-};
+// A second thread for the larger work of a step: one step reads every weight once, and one core's reads alone do
+// not reach the memory's bandwidth. `two_halves(n, f)` runs f(0, n/2) here and f(n/2, n) on the worker; what each
+// half computes does not depend on the split (a product's columns, a batch's rows), so the bits do not depend on
+// the threads. Between jobs the worker spins for SPIN_NS, then sleeps on a futex (std::atomic::wait): a step's
+// Python between its products does not cost a wake-up each time, and an idle engine holds no CPU.
 constexpr long SPIN_NS = 50000;
 constexpr long PARALLEL_FLOATS = 1 << 16;  // products of at least this many weights (256 KB) are split
 std::atomic<unsigned> posted{0}, finished{0};
-Half half;
 std::atomic<int> threads{1};
 std::atomic_flag busy = ATOMIC_FLAG_INIT;  // the worker serves one caller at a time; another runs alone
 pid_t worker_pid = 0;  // the process that started the worker (a forked child has none and starts its own)
+struct Job {
+  void (*run)(void*, long, long);
+  void* f;
+  long begin, end;
+} job;
 
 void worker_loop(unsigned seen) {  // `seen`: the last ticket before the worker started
   for (;;) {
@@ -101,17 +113,15 @@ void worker_loop(unsigned seen) {  // `seen`: the last ticket before the worker 
       }
     }
     seen = now;
-    gemm_columns(half.x, half.ldx, half.M, half.packed, half.in, half.out, half.y, half.ldy, half.accumulate,
-                 half.o_begin, half.o_end);
+    job.run(job.f, job.begin, job.end);
     finished.store(now, std::memory_order_release);
   }
 }
 
-void gemm_split(const float* x, long ldx, int M, const float* packed, long in, long out, float* y, long ldy,
-                bool accumulate) {
-  const long split = (out / 2 + 63) / 64 * 64;
-  if (threads.load() < 2 || in * out < PARALLEL_FLOATS || split >= out || busy.test_and_set()) {
-    gemm_columns(x, ldx, M, packed, in, out, y, ldy, accumulate, 0, out);
+template <class F>
+void two_halves(long n, bool worth_it, F&& f) {
+  if (!worth_it || n < 2 || threads.load() < 2 || busy.test_and_set()) {
+    f(0, n);
     return;
   }
   if (worker_pid != getpid()) {
@@ -119,14 +129,24 @@ void gemm_split(const float* x, long ldx, int M, const float* packed, long in, l
     finished.store(posted.load());
     std::thread(worker_loop, posted.load()).detach();
   }
-  half = Half{x, ldx, M, packed, in, out, y, ldy, accumulate, split, out};
+  job = Job{[](void* g, long begin, long end) { (*static_cast<F*>(g))(begin, end); }, &f, n / 2, n};
   const unsigned ticket = posted.load() + 1;
   posted.store(ticket, std::memory_order_release);
   posted.notify_one();
-  gemm_columns(x, ldx, M, packed, in, out, y, ldy, accumulate, 0, split);
+  f(0, n / 2);
   while (finished.load(std::memory_order_acquire) != ticket) {
   }
   busy.clear();
+}
+
+// A product's columns in two parts at a multiple of 64 (whole panels) near the middle.
+void gemm_split(const float* x, long ldx, int M, const float* packed, long in, long out, float* y, long ldy,
+                bool accumulate) {
+  const long split = std::min(out, (out / 2 + 63) / 64 * 64);
+  two_halves(2, in * out >= PARALLEL_FLOATS && split < out, [&](long begin, long end) {
+    for (long part = begin; part < end; ++part)
+      gemm_columns(x, ldx, M, packed, in, out, y, ldy, accumulate, part ? split : 0, part ? out : split);
+  });
 }
 
 }  // namespace
@@ -182,8 +202,7 @@ int linear(const Linear* L, const float* x, long ldx, int M, const long* slots, 
 // RMSNorm of M rows of C: y = (x / sqrt(mean(x^2) + eps)) * w.
 void rms_norm(const float* x, int M, long C, const float* w, float eps, float* y) {
   for (int m = 0; m < M; ++m, x += C, y += C) {
-    float sum = 0.0f;
-    for (long c = 0; c < C; ++c) sum += x[c] * x[c];
+    const float sum = dot(x, x, C);
     const float r = 1.0f / std::sqrt(sum / C + eps);
     for (long c = 0; c < C; ++c) y[c] = (x[c] * r) * w[c];
   }
@@ -223,21 +242,13 @@ void attend_one(const float* q, int B, long H, long D, const float* keys, const 
       for (long s = 0; s < S; ++s) {
         const long distance = pos[b] - key_pos[b * kpos_b + s];
         float score = -INFINITY;
-        if (distance >= 0 && distance < window) {
-          float dot = 0.0f;
-          for (long d = 0; d < D; ++d) dot += qh[d] * kh_[s * D + d];
-          score = dot * scale;
-        }
+        if (distance >= 0 && distance < window) score = dot(qh, kh_ + s * D, D) * scale;
         p[s] = score;
         top = std::max(top, score);
       }
       for (long j = 0; j < K; ++j) {
         float score = -INFINITY;
-        if (valid[b * K + j]) {
-          float dot = 0.0f;
-          for (long d = 0; d < D; ++d) dot += qh[d] * gk[j * D + d];
-          score = dot * scale;
-        }
+        if (valid[b * K + j]) score = dot(qh, gk + j * D, D) * scale;
         p[S + j] = score;
         top = std::max(top, score);
       }
@@ -344,12 +355,8 @@ int index_select(const DecodeRows* r, const float* xn, const Linear* query, cons
       }
       const float* key = index_keys + entry_offset(r, b, n, dim);
       float score = 0.0f;
-      for (long h = 0; h < heads; ++h) {
-        const float* qh = q.data() + (b * heads + h) * dim;
-        float dot = 0.0f;
-        for (long d = 0; d < dim; ++d) dot += qh[d] * key[d];
-        score += w[b * heads + h] * std::max(dot, 0.0f);
-      }
+      for (long h = 0; h < heads; ++h)
+        score += w[b * heads + h] * std::max(dot(q.data() + (b * heads + h) * dim, key, dim), 0.0f);
       scores[n] = score;
     }
     for (long n = 0; n < N; ++n) order[n] = n;
@@ -365,53 +372,49 @@ int index_select(const DecodeRows* r, const float* xn, const Linear* query, cons
 }
 
 // The second half: each row's one query over its ring (masked by distance) and, with a selection, its selected
-// global entries (gk / gv: pages of (H, D) entries), then o with the rows' LoRA and the residual: y = x + o(...).
+// global entries (gk / gv: pages of (H, D) entries), the rows in two halves where a second thread is free; then o
+// with the rows' LoRA and the residual: y = x + o(...).
 int attention_post(const DecodeRows* r, const float* x, const float* q, const float* ring_k, const float* ring_v,
                    long H, long D, float scale, const float* gk, const float* gv, const long* idx, const bool* valid,
                    long top_k, const Linear* o_lin, float* y) {
   const int B = r->B;
   const long HD = H * D, S = r->filled, K = (gk && idx) ? top_k : 0;
-  std::vector<float> out(B * HD), p(S + K);
-  for (int b = 0; b < B; ++b)
-    for (long h = 0; h < H; ++h) {
-      const float* qh = q + b * HD + h * D;
-      const float* keys = ring_k + (r->slots[b] * H + h) * r->window * D;
-      const float* values = ring_v + (r->slots[b] * H + h) * r->window * D;
-      float top = -INFINITY;
-      for (long s = 0; s < S; ++s) {
-        const long distance = r->positions[b] - r->key_pos[b * S + s];
-        float score = -INFINITY;
-        if (distance >= 0 && distance < r->window) {
-          float dot = 0.0f;
-          for (long d = 0; d < D; ++d) dot += qh[d] * keys[s * D + d];
-          score = dot * scale;
+  std::vector<float> out(B * HD);
+  two_halves(B, true, [&](long b_begin, long b_end) {
+    std::vector<float> p(S + K);
+    for (long b = b_begin; b < b_end; ++b) {
+      for (long h = 0; h < H; ++h) {
+        const float* qh = q + b * HD + h * D;
+        const float* keys = ring_k + (r->slots[b] * H + h) * r->window * D;
+        const float* values = ring_v + (r->slots[b] * H + h) * r->window * D;
+        float top = -INFINITY;
+        for (long s = 0; s < S; ++s) {
+          const long distance = r->positions[b] - r->key_pos[b * S + s];
+          float score = -INFINITY;
+          if (distance >= 0 && distance < r->window) score = dot(qh, keys + s * D, D) * scale;
+          top = std::max(top, p[s] = score);
         }
-        top = std::max(top, p[s] = score);
-      }
-      for (long j = 0; j < K; ++j) {
-        float score = -INFINITY;
-        if (valid[b * K + j]) {
-          const float* key = gk + entry_offset(r, b, idx[b * K + j], HD) + h * D;
-          float dot = 0.0f;
-          for (long d = 0; d < D; ++d) dot += qh[d] * key[d];
-          score = dot * scale;
+        for (long j = 0; j < K; ++j) {
+          float score = -INFINITY;
+          if (valid[b * K + j]) score = dot(qh, gk + entry_offset(r, b, idx[b * K + j], HD) + h * D, D) * scale;
+          top = std::max(top, p[S + j] = score);
         }
-        top = std::max(top, p[S + j] = score);
-      }
-      float total = 0.0f;
-      for (long i = 0; i < S + K; ++i) total += (p[i] = std::exp(p[i] - top));
-      float* o = out.data() + b * HD + h * D;
-      for (long s = 0; s < S; ++s) {
-        const float weight = p[s] / total;
-        for (long d = 0; d < D; ++d) o[d] += weight * values[s * D + d];
-      }
-      for (long j = 0; j < K; ++j) {
-        if (!valid[b * K + j]) continue;
-        const float weight = p[S + j] / total;
-        const float* value = gv + entry_offset(r, b, idx[b * K + j], HD) + h * D;
-        for (long d = 0; d < D; ++d) o[d] += weight * value[d];
+        float total = 0.0f;
+        for (long i = 0; i < S + K; ++i) total += (p[i] = std::exp(p[i] - top));
+        float* o = out.data() + b * HD + h * D;
+        for (long s = 0; s < S; ++s) {
+          const float weight = p[s] / total;
+          for (long d = 0; d < D; ++d) o[d] += weight * values[s * D + d];
+        }
+        for (long j = 0; j < K; ++j) {
+          if (!valid[b * K + j]) continue;
+          const float weight = p[S + j] / total;
+          const float* value = gv + entry_offset(r, b, idx[b * K + j], HD) + h * D;
+          for (long d = 0; d < D; ++d) o[d] += weight * value[d];
+        }
       }
     }
+  });
   const long C = o_lin->out;
   if (linear(o_lin, out.data(), HD, B, r->lora_slots, y, C)) return -1;
   for (long i = 0; i < B * C; ++i) y[i] = x[i] + y[i];
