@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import time
 from pathlib import Path
 
@@ -194,9 +195,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(demo.describe())
         args.model = demo.model_dir
 
-    serving = make_engine("torch", args.model)
-    engines = {"torch": make_engine("torch", args.model), "torch_serving": ServingEngine(serving, args.threads),
-               "torch_serving_no_kernels": ServingEngine(serving, args.threads, native=False),
+    serving, cpus = make_engine("torch", args.model), len(os.sched_getaffinity(0))  # chunk threads as the server's
+    engines = {"torch": make_engine("torch", args.model), "torch_serving": ServingEngine(serving, cpus),
+               "torch_serving_no_kernels": ServingEngine(serving, cpus, native=False),
                "onnxruntime": make_engine("onnxruntime", args.model, engine_dir=args.onnx_dir, threads=args.threads)}
     if args.trt_dir:
         engines["tensorrt"] = make_engine("tensorrt", args.model, engine_dir=args.trt_dir)
