@@ -162,10 +162,11 @@ def plot(rows: list[dict], path: str) -> None:
                  yerr=[[r["tokens_per_s"] - r["tokens_per_s_min"] for r in these],
                        [r["tokens_per_s_max"] - r["tokens_per_s"] for r in these]], capsize=3)
     floor = next(r for r in rows if r["engine"] == "floor")
-    axis.hlines(floor["tokens_per_s"], 1.6, 2.4, colors="black", linestyles="dashed", label="decode floor (weights read once)")
+    axis.hlines(floor["tokens_per_s"], 1.6, 2.4, colors="black", linestyles="dashed",
+                label="decode floor (weights read once)")
     axis.set_xticks(range(len(phases)), phases)
     axis.set(yscale="log", ylabel="tokens/s (median, min-max)", title="CED engines on the demo model")
-    axis.legend()
+    axis.legend(fontsize=8, loc="upper right")
     save_figure(figure, path)
 
 

@@ -266,7 +266,8 @@ class CEDLayer(nn.Module):
         self.mlp = SwiGLU(config)
 
     def attention_block(self, x, positions, cache, selection, last_only: bool = False, tables=None):
-        native = cache.native_decode(positions, tables) if tables and not last_only and kernels.takes(x) else None
+        decode_step = tables is not None and not last_only and kernels.takes(x)
+        native = cache.native_decode(positions, tables) if decode_step else None
         if native is not None:  # a decode step over the paged pool: the block in two native calls
             block = native.attention_block(self, x, selection)
             if block is not None:

@@ -138,7 +138,8 @@ def test_a_native_decode_step_is_the_torch_step_to_float_tolerance(adapter_dirs,
         rows = []
         for length, seed in ((61, 1), (200, 2), (9, 3)):
             row = batched.open()
-            batched.prefill(row, torch.randint(0, 300, (length,), generator=torch.Generator().manual_seed(seed)).tolist())
+            tokens = torch.randint(0, 300, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+            batched.prefill(row, tokens)
             rows.append(row)
         logits, _ = batched.replay(rows, adapters)
         out = []
