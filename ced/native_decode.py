@@ -2,11 +2,12 @@
 
 A layer's attention for one token per row is ~60 small torch operations (norm, three projections, RoPE, the ring
 write and read, the indexer's scores and top-k, the gather of the selected entries, the softmax, o); on the demo
-each costs more in dispatch than in arithmetic. Here it is two calls: `attention_pre` (norm, q/k/v with the rows'
-LoRA, RoPE, the ring write), then, after the compressor has pooled any block this token completes (Python, as
-the chunk path does, a few times per block), `index_select` on index layers and `attention_post` (the window and
-the selected entries, o, the residual). The arithmetic is the model's (ced/model.py), in another summation order:
-a row's logits agree with the serial engine's to float tolerance and are the same bits alone or in any batch.
+each costs more in dispatch than in arithmetic. Here it is a few calls: `attention_pre` (norm, q/k/v with the
+rows' LoRA, RoPE, the ring write), on source layers `compress_rows` (the token joins its row's pending block; a
+block it completes is pooled into a global entry), on index layers `index_select`, and `attention_post` (the
+window and the selected entries, o, the residual). The arithmetic is the model's (ced/model.py), in another
+summation order: a row's logits agree with the serial engine's to float tolerance and are the same bits alone or
+in any batch.
 """
 
 from __future__ import annotations
@@ -42,11 +43,14 @@ class NativeDecode:
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
         if attn.indexer is not None:
             linears += [attn.indexer.query, attn.indexer.weight]
+        if attn.compressor is not None:
+            linears += [attn.compressor.gate, attn.compressor.index_key]
         native = [getattr(linear, "native_args", lambda rows: None)(B) for linear in linears]
         if None in native:
             return None
         specs = [spec for spec, _ in native]
         lora_slots = next((slots for _, slots in native if slots is not None), None)  # one mapping: the same slots
+        self._lora_slots = lora_slots  # alive while the kernels read it
         self.rows.lora_slots = None if lora_slots is None else lora_slots.data_ptr()
         config, index, rows = attn.config, attn.role.index, ctypes.byref(self.rows)
         H, D, C = config.n_heads, config.head_dim, x.shape[-1]
@@ -56,11 +60,14 @@ class NativeDecode:
                                         specs[0], specs[1], specs[2], H, D, cache.pool.wk[index].data_ptr(),
                                         cache.pool.wv[index].data_ptr(), xn.data_ptr(), q.data_ptr()))
         if attn.compressor is not None:  # first: a block this token completes is readable by its own query
-            cache.compress(index, xn.view(B, 1, C), attn.pool_blocks)
+            pool = cache.pool
+            kernels.check(lib.compress_rows(rows, xn.data_ptr(), pool.pending[index].data_ptr(), specs[1], specs[2],
+                                            specs[-2], specs[-1], H, D, pool.gk[index].data_ptr(),
+                                            pool.gv[index].data_ptr(), pool.gi[index].data_ptr()))
         source = attn.role.global_source
         has_entries = source is not None and cache.has_entries(source)
         if attn.indexer is not None:  # a new choice over this layer's source; none before the first block ends
-            selection = self._select(attn.indexer, specs[4:], xn, source) if has_entries else None
+            selection = self._select(attn.indexer, specs[4:6], xn, source) if has_entries else None
         gk = gv = idx = valid = None
         if has_entries and selection is not None:
             gk, gv = cache.pool.gk[source], cache.pool.gv[source]

@@ -111,6 +111,7 @@ def _load() -> ctypes.CDLL | None:
                               _c_long, _ptr, _c_long, _ptr, _ptr, _ptr, _c_long, ctypes.c_float, _ptr]),
         "attention_pre": (_c_int, [rows, _ptr, _ptr, f32, spec, spec, spec, _c_long, _c_long, _ptr, _ptr, _ptr,
                                    _ptr]),
+        "compress_rows": (_c_int, [rows, _ptr, _ptr, spec, spec, spec, spec, _c_long, _c_long, _ptr, _ptr, _ptr]),
         "index_select": (_c_int, [rows, _ptr, spec, spec, _ptr, _c_long, _c_long, _c_long, _ptr, _ptr]),
         "attention_post": (_c_int, [rows, _ptr, _ptr, _ptr, _ptr, _c_long, _c_long, f32, _ptr, _ptr, _ptr, _ptr,
                                     _c_long, spec, _ptr]),

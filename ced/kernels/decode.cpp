@@ -335,6 +335,53 @@ int attention_pre(const DecodeRows* r, const float* x, const float* norm_w, floa
   return 0;
 }
 
+// A source layer's compressor for one token per row: xn joins the row's pending block (pending: slots of (block,
+// C)); a row whose token completes its block pools it into one global entry, as CEDAttention.pool_blocks does:
+// K and V the per-head softmax(gate)-weighted sums of the block's k and v (K then RoPE'd at the block's last
+// position, this token's: the step's tables), the indexer key index_key(mean of the block's inputs), written at
+// entry position // block of the row's pages (gk / gv: (H, D) entries, gi: index_dim).
+int compress_rows(const DecodeRows* r, const float* xn, float* pending, const Linear* k_lin, const Linear* v_lin,
+                  const Linear* gate, const Linear* index_key, long H, long D, float* gk, float* gv, float* gi) {
+  const long C = k_lin->in, m = r->block, HD = H * D, I = index_key->out;
+  std::vector<float> k(m * HD), v(m * HD), logits(m * H), mean(C), entry_k(HD), entry_v(HD);
+  std::vector<long> block_slots(m);  // the row's LoRA slot for each input of its block (where a placement allows one)
+  for (int b = 0; b < r->B; ++b) {
+    const long position = r->positions[b];
+    float* block = pending + r->slots[b] * m * C;
+    std::memcpy(block + (position % m) * C, xn + b * C, C * sizeof(float));
+    if (position % m != m - 1) continue;
+    const long* slots = r->lora_slots ? (std::fill(block_slots.begin(), block_slots.end(), r->lora_slots[b]),
+                                         block_slots.data()) : nullptr;
+    if (linear(k_lin, block, C, m, slots, k.data(), HD) || linear(v_lin, block, C, m, slots, v.data(), HD) ||
+        linear(gate, block, C, m, slots, logits.data(), H))
+      return -1;
+    std::fill(entry_k.begin(), entry_k.end(), 0.0f);
+    std::fill(entry_v.begin(), entry_v.end(), 0.0f);
+    for (long h = 0; h < H; ++h) {  // softmax over the block's positions, per head
+      float top = -INFINITY, total = 0.0f;
+      for (long j = 0; j < m; ++j) top = std::max(top, logits[j * H + h]);
+      for (long j = 0; j < m; ++j) total += (logits[j * H + h] = std::exp(logits[j * H + h] - top));
+      for (long j = 0; j < m; ++j) {
+        const float weight = logits[j * H + h] / total;
+        for (long d = 0; d < D; ++d) {
+          entry_k[h * D + d] += weight * k[j * HD + h * D + d];
+          entry_v[h * D + d] += weight * v[j * HD + h * D + d];
+        }
+      }
+    }
+    rope(entry_k.data(), H, D, r->cos + b * (D / 2), r->sin + b * (D / 2));
+    std::fill(mean.begin(), mean.end(), 0.0f);
+    for (long j = 0; j < m; ++j)
+      for (long c = 0; c < C; ++c) mean[c] += block[j * C + c];
+    for (long c = 0; c < C; ++c) mean[c] /= m;
+    const long entry = position / m;
+    std::memcpy(gk + entry_offset(r, b, entry, HD), entry_k.data(), HD * sizeof(float));
+    std::memcpy(gv + entry_offset(r, b, entry, HD), entry_v.data(), HD * sizeof(float));
+    if (linear(index_key, mean.data(), C, 1, slots, gi + entry_offset(r, b, entry, I), I)) return -1;
+  }
+  return 0;
+}
+
 // The indexer's choice for one query per row: the top_k global entries by ReLU-weighted score, an entry's block
 // ending after the row's position scoring -inf, ties to the most recent; fewer than top_k entries pad invalid.
 // As Indexer.select and top_k_recent (ced/model.py) compute it. idx (B, top_k) and valid (B, top_k) out.
