@@ -1,19 +1,23 @@
-// y = x @ W for a few rows of x (a decode step's batch): each weight is read once, from panels that lie in memory
-// in the order the loop reads them, for every row of the call at once.
+// The decode step's native kernels (ced/kernels/__init__.py loads them; ced/native_decode.py drives the attention).
 //
-// A weight W (in, out) is packed as column panels: 64 columns wide while 64 remain, then 16 wide, then one panel of
-// what is left; each panel's `in` rows of its width contiguous. Row m of y is accumulated over i = 0 .. in-1 in
-// that order with one fused multiply-add per term, whatever the number of rows in the call and whichever panel
-// holds the column: a row's result is the same bits alone or in any batch.
+// Products y = x @ W for a few rows of x (a decode step's batch): each weight is read once, from panels that lie in
+// memory in the order the loop reads them, for every row of the call at once. A weight W (in, out) is packed as
+// column panels: 64 columns wide while 64 remain, then 16 wide, then one panel of what is left; each panel's `in`
+// rows of its width contiguous. Row m of y is accumulated over i = 0 .. in-1 in that order with one fused
+// multiply-add per term, whatever the number of rows in the call and whichever panel holds the column: a row's
+// result is the same bits alone or in any batch. On them: each row's LoRA, RMSNorm, the SwiGLU FFN block, and a
+// layer's attention over the paged pool for one token per row (the ring write, the compressor, the indexer's
+// top-k, the window and the selected global entries), with a second thread for the larger work.
 //
 // Built by ced/kernels/__init__.py with the host's compiler for the host's CPU (-O3 -march=native).
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <thread>
-#include <unistd.h>
 #include <cmath>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 namespace {
