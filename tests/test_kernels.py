@@ -153,3 +153,14 @@ def test_a_native_decode_step_is_the_torch_step_to_float_tolerance(adapter_dirs,
     assert native[2].equal(torch_path[2])
     assert native[1].masked_fill(~native[2], 0).equal(torch_path[1].masked_fill(~torch_path[2], 0))
     assert float((native[0] - torch_path[0]).abs().max()) < 1e-4
+
+
+def test_attend_one_takes_positions_the_rows_share():
+    """(1, 1) positions with several rows, as a chunk of rows at one position gives them (ListCache)."""
+    B, H, S, D = 3, 2, 5, 16
+    q, keys, values = torch.randn(B, H, 1, D), torch.randn(B, H, S, D), torch.randn(B, H, S, D)
+    key_pos, shared = torch.arange(S)[None], torch.tensor([[S - 1]])
+    with torch.inference_mode():
+        got = kernels.attend_one(q, keys, values, key_pos, shared, 4, 0.25, None)
+        each = kernels.attend_one(q, keys, values, key_pos, shared.expand(B, 1), 4, 0.25, None)
+    assert torch.equal(got, each)

@@ -189,7 +189,7 @@ def matmul(x: Tensor, spec: LinearSpec, slots: Tensor | None = None) -> Tensor:
     rows = x.numel() // spec.in_features
     y = x.new_empty(*x.shape[:-1], spec.out_features)
     check(_LIB.linear(spec, x.data_ptr(), spec.in_features, rows, None if slots is None else slots.data_ptr(),
-                            y.data_ptr(), spec.out_features))
+                      y.data_ptr(), spec.out_features))
     return y
 
 
@@ -205,18 +205,19 @@ def swiglu_block(x: Tensor, norm_weight: Tensor, eps: float, gate: LinearSpec, u
     """x + down(silu(gate(n)) * up(n)) with n the RMSNorm of x, in one call."""
     x = x.contiguous()
     y = torch.empty_like(x)
-    check(_LIB.swiglu_block(x.data_ptr(), x.numel() // x.shape[-1], norm_weight.data_ptr(), eps, gate, up,
-                                  down, None if slots is None else slots.data_ptr(), y.data_ptr()))
+    check(_LIB.swiglu_block(x.data_ptr(), x.numel() // x.shape[-1], norm_weight.data_ptr(), eps, gate, up, down,
+                            None if slots is None else slots.data_ptr(), y.data_ptr()))
     return y
 
 
 def attend_one(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, positions: Tensor, window: int,
                scale: float, selected: tuple[Tensor, Tensor, Tensor] | None) -> Tensor:
     """One query per row: q (B, H, 1, D) over window keys / values (B, H, S, D) (rows and heads at any stride)
-    at key_pos (B or 1, S), masked outside [0, window) of positions (B, 1), and the selected global entries
+    at key_pos (B or 1, S), masked outside [0, window) of positions (B or 1, 1), and the selected global entries
     (k_sel, v_sel (B, H, 1, K, D), valid (B, 1, K)); out (B, 1, H * D)."""
     B, H, _, D = q.shape
-    q, key_pos, positions = q.contiguous(), key_pos.contiguous(), positions.contiguous()
+    q, key_pos = q.contiguous(), key_pos.contiguous()
+    positions = positions.expand(B, 1).contiguous()  # rows that share their positions (1, 1): one each
     if keys.stride(3) != 1 or keys.stride(2) != D or keys.stride() != values.stride():
         keys, values = keys.contiguous(), values.contiguous()
     k_sel, v_sel, valid = ((t.contiguous() for t in selected) if selected is not None else (q, q, q))

@@ -154,9 +154,9 @@ class DecodeModel:
 
     def respond(self, parsed: ParsedDecode, fresh: int, last: bool, wanted: frozenset[str], adapter: str,
                 finish_reason: str = "", logprobs: list | None = None):
-        """The newest `fresh` ids (after a few earlier ones, for the relay's detokenizing) and the turn's metadata, with the
-        finish reason on the last and, when the request asked, the logprobs of these tokens (JSON, as the engine
-        model sends them); only the outputs the request asked for (triton_io.response)."""
+        """The newest `fresh` ids (after a few earlier ones, for the relay's detokenizing) and the turn's metadata,
+        with the finish reason on the last and, when the request asked, the logprobs of these tokens (JSON, as the
+        engine model sends them); only the outputs the request asked for (triton_io.response)."""
         extra = {} if logprobs is None else {"logprobs": json.dumps(logprobs)}
         return response(self.pb, self.outputs.tensors(
             _ids=window(parsed.ids, fresh), _fresh=fresh, _last=last, applied_adapter=adapter,

@@ -99,8 +99,8 @@ def test_a_failed_remote_decode_releases_the_lock_and_writes_nothing(relay_parts
             raise RequestError("decode server host:1: boom")
 
     with pytest.raises(RequestError, match=message):
-        Relay(call, store, "router", "host:1", "decode", SEALER, decode, tokenizer=TOKENIZER).run({"text_input": text("hi")},
-                                                                              lambda *a: None)
+        relay = Relay(call, store, "router", "host:1", "decode", SEALER, decode, tokenizer=TOKENIZER)
+        relay.run({"text_input": text("hi")}, lambda *a: None)
     assert not store.exists("c1") and not (store.root / "c1.lock").exists()
 
 
@@ -119,8 +119,8 @@ def test_a_returned_state_without_decodes_seal_is_not_stored(relay_parts, engine
                       _state_seal=sealed_state(final_state).outputs["_state_seal"])
     decode = lambda url, model, inputs: iter([Result(**answer), last])  # noqa: E731
     with pytest.raises(SealError):
-        Relay(call, store, "router", "host:1", "decode", SEALER, decode, tokenizer=TOKENIZER).run({"text_input": text("hi")},
-                                                                              lambda *a: None)
+        relay = Relay(call, store, "router", "host:1", "decode", SEALER, decode, tokenizer=TOKENIZER)
+        relay.run({"text_input": text("hi")}, lambda *a: None)
     assert not store.exists("c1") and not (store.root / "c1.lock").exists()
 
 
