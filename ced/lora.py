@@ -68,6 +68,10 @@ class PackedLinear(nn.Module):
         self.panels = panels_of(self.weight_t)
         self.spec = None if self.panels is None else kernels.LinearSpec.of(self.panels, *self.weight_t.shape)
 
+    def native_spec(self) -> kernels.LinearSpec | None:
+        """The weight as the native kernels read it (None where they cannot)."""
+        return self.spec
+
     def native_args(self, rows: int) -> tuple[kernels.LinearSpec, None] | None:
         """What the native kernels need to run this linear on `rows` rows: (spec, no slots)."""
         return None if self.spec is None else (self.spec, None)
@@ -86,6 +90,8 @@ def packed_linear(x: Tensor, weight_t: Tensor, bias: Tensor | None) -> Tensor:
 
 
 class MultiLoRALinear(nn.Module):
+    changes = 0  # adapters loaded or unloaded in any instance: what the native plans of a decode step depend on
+
     def __init__(self, base: nn.Linear, n_slots: int, max_rank: int, mapping: LoRAMapping):
         super().__init__()
         self.base, self.mapping = base, mapping
@@ -132,19 +138,28 @@ class MultiLoRALinear(nn.Module):
 
     def _slot_changed(self, slot: int) -> None:
         self._packed.clear()
+        MultiLoRALinear.changes += 1
         if self.panels is not None:
             self.a_panels[slot] = kernels.pack(self.lora_a[slot].t())
             self.b_panels[slot] = kernels.pack(self.lora_b[slot].t())
 
-    def native_args(self, rows: int) -> tuple[kernels.LinearSpec, Tensor | None] | None:
-        """What the native kernels need to run this linear on `rows` rows (batch rows x positions) under the
-        mapping: (spec, each row's slot or None), or None where they cannot (no panels; a mapping of slots only,
-        as the baseline engine sets)."""
+    def native_spec(self) -> kernels.LinearSpec | None:
+        """The weight (and the slots' LoRA, where a row of the mapping uses one this linear has) as the native
+        kernels read it, or None where they cannot (no panels; a mapping of slots only, as the baseline engine
+        sets)."""
         slots, host = self.mapping.row_slots, self.mapping.host_slots
         if self.panels is None or (slots is not None and host is None):
             return None
         if slots is None or not any(self.used[slot] for slot in self.mapping.active):
-            return self.base_spec, None
+            return self.base_spec
+        return self.lora_spec
+
+    def native_args(self, rows: int) -> tuple[kernels.LinearSpec, Tensor | None] | None:
+        """What the native kernels need to run this linear on `rows` rows (batch rows x positions) under the
+        mapping: (spec, each row's slot or None), or None where they cannot."""
+        spec, slots, host = self.native_spec(), self.mapping.row_slots, self.mapping.host_slots
+        if spec is None or spec is self.base_spec:
+            return None if spec is None else (spec, None)
         if rows != len(host):  # (B, T, in): the row's slot for each of its positions
             slots = slots.repeat_interleave(rows // len(host))
         return self.lora_spec, slots

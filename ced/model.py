@@ -266,12 +266,6 @@ class CEDLayer(nn.Module):
         self.mlp = SwiGLU(config)
 
     def attention_block(self, x, positions, cache, selection, last_only: bool = False, tables=None):
-        decode_step = tables is not None and not last_only and kernels.takes(x)
-        native = cache.native_decode(positions, tables) if decode_step else None
-        if native is not None:  # a decode step over the paged pool: the block in two native calls
-            block = native.attention_block(self, x, selection)
-            if block is not None:
-                return block
         out, selection = self.attn(self.attn_norm(x), positions, cache, selection, last_only, tables)
         return (x[:, -1:] if last_only else x) + out, selection
 
@@ -348,6 +342,10 @@ class CEDForCausalLM(CEDPreTrainedModel):
         """Layers 0..E-1 and layer E's attention over input_ids (B, T) at positions (B, T), appending to cache."""
         E = self.ced.decoder_start
         x, selection, h19 = self.model.embed_tokens(input_ids), None, None
+        native = cache.native_decode(positions) if kernels.takes(x) else None
+        ran = native and native.shared_stage(self.model.layers, E, x)
+        if ran:  # a decode step over the paged pool: the stage in one native call
+            return SharedOutput(*ran)
         tables = self._rope(positions, x.dtype)
         for layer in self.model.layers[: E + 1]:
             x, selection = layer.attention_block(x, positions, cache, selection, tables=tables)
@@ -367,6 +365,10 @@ class CEDForCausalLM(CEDPreTrainedModel):
         position but the next-token logits of the last): returns (B, 1, C).
         """
         E = self.ced.decoder_start
+        native = cache.native_decode(positions) if capture is None and not last_only and kernels.takes(stream) else None
+        hidden = native and native.decoder_stage(self.model.layers, E, stream, selection)
+        if hidden is not None:  # a decode step over the paged pool: the stage in one native call
+            return self.model.norm(hidden)
         x = self.model.layers[E].ffn_block(stream)
         if capture is not None:
             capture.setdefault(E, []).append(x)

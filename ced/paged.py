@@ -60,6 +60,7 @@ class PagePool:
         self.free_slots, self.free_pages = list(range(slots))[::-1], list(range(pages))[::-1]
         self.holders: dict[int, Resident] = {}  # slot -> the conversation in it (settle moves conversations)
         self.page_refs = [0] * pages  # conversations holding each page: forks share their common prefix's pages
+        self.native_plans: dict = {}  # the native decode step's arrays over these buffers (ced/native_decode.py)
         if capacity_bytes:
             self._grow_slots(max(0, capacity_bytes // self.slot_nbytes() - slots))
             self._grow_pages(max(0, capacity_bytes // self.page_nbytes() - pages))
@@ -310,13 +311,13 @@ class PagedCache:
             self._past["ring"] = ring_positions.masked_fill(ring_positions < 0, FAR)
         return self._past["ring"]
 
-    def native_decode(self, positions: Tensor, tables: tuple[Tensor, Tensor]):
-        """The native form of this call's attention blocks (ced/native_decode.py) where it is a decode step on
-        float32 rings and the kernels are built; else None."""
+    def native_decode(self, positions: Tensor):
+        """The native form of this call's stages (ced/native_decode.py) where it is a decode step on float32 rings
+        and the kernels are built; else None."""
         if self.length != 1 or self.fresh or self.pool.dtype != torch.float32 or not kernels.available(torch.float32):
             return None
         if "native" not in self._past:
-            self._past["native"] = NativeDecode(self, positions, tables)
+            self._past["native"] = NativeDecode(self, positions)
         return self._past["native"]
 
     def compress(self, layer: int, xn: Tensor, pool_blocks: PoolBlocks) -> None:

@@ -312,9 +312,9 @@ class AttentionCache(Protocol):
     def gather(self, source: int, idx: Tensor) -> tuple[Tensor, Tensor]:
         """The global K and V (B, T, k, H, D) of the entries idx (B, T, k) of each row."""
 
-    def native_decode(self, positions: Tensor, tables: tuple[Tensor, Tensor]):
-        """The attention blocks of this call in native kernels (ced/native_decode.NativeDecode), or None where the
-        cache has no native form: only the paged pool's decode steps have one."""
+    def native_decode(self, positions: Tensor):
+        """This call's stages in native kernels (ced/native_decode.NativeDecode), or None where the cache has no
+        native form: only the paged pool's decode steps have one."""
 
 
 class ListCache:
@@ -358,7 +358,7 @@ class ListCache:
         rows = torch.arange(idx.shape[0], device=idx.device)[:, None, None]
         return store.k[rows, idx], store.v[rows, idx]
 
-    def native_decode(self, positions: Tensor, tables: tuple[Tensor, Tensor]) -> None:
+    def native_decode(self, positions: Tensor) -> None:
         return None
 
 
@@ -409,5 +409,5 @@ class ExportCache:
         flat = lambda t: torch.cat([t, zero], dim=1).reshape(-1, *t.shape[2:])  # noqa: E731  (B * (N + 1), H, D)
         return flat(k)[picks], flat(v)[picks]
 
-    def native_decode(self, positions: Tensor, tables: tuple[Tensor, Tensor]) -> None:
+    def native_decode(self, positions: Tensor) -> None:
         return None

@@ -87,6 +87,19 @@ class DecodeRows(ctypes.Structure):
                 ("n_entries", _c_long), ("block", _c_long), ("cos", _ptr), ("sin", _ptr), ("lora_slots", _ptr)]
 
 
+class StepBlock(ctypes.Structure):
+    """decode.cpp's `StepBlock`: one layer's attention or FFN in a decode step over the paged pool."""
+
+    _fields_ = [("norm", _ptr), ("eps", ctypes.c_float), *((name, ctypes.POINTER(LinearSpec)) for name in "qkvo"),
+                ("heads", _c_long), ("head_dim", _c_long), ("scale", ctypes.c_float), ("ring_k", _ptr),
+                ("ring_v", _ptr), ("gate", ctypes.POINTER(LinearSpec)), ("index_key", ctypes.POINTER(LinearSpec)),
+                ("pending", _ptr), ("own_gk", _ptr), ("own_gv", _ptr), ("own_gi", _ptr),
+                ("index_query", ctypes.POINTER(LinearSpec)), ("index_weight", ctypes.POINTER(LinearSpec)),
+                ("index_heads", _c_long), ("index_dim", _c_long), ("src_gk", _ptr), ("src_gv", _ptr),
+                ("src_gi", _ptr), ("top_k", _c_long), ("ffn_gate", ctypes.POINTER(LinearSpec)),
+                ("ffn_up", ctypes.POINTER(LinearSpec)), ("ffn_down", ctypes.POINTER(LinearSpec))]
+
+
 def _load() -> ctypes.CDLL | None:
     if os.environ.get("MOL2_NATIVE", "1") == "0":
         return None
@@ -100,7 +113,7 @@ def _load() -> ctypes.CDLL | None:
         detail = getattr(error, "stderr", "") or error
         log.warning("the native decode kernel did not build, decode steps use torch's matmul: %s", detail)
         return None
-    spec, rows, f32 = ctypes.POINTER(LinearSpec), ctypes.POINTER(DecodeRows), ctypes.c_float
+    spec, rows = ctypes.POINTER(LinearSpec), ctypes.POINTER(DecodeRows)
     signatures = {
         "pack_weight": (None, [_ptr, _c_long, _c_long, _ptr]),
         "set_threads": (None, [_c_int]),
@@ -109,12 +122,8 @@ def _load() -> ctypes.CDLL | None:
         "swiglu_block": (_c_int, [_ptr, _c_int, _ptr, ctypes.c_float, spec, spec, spec, _ptr, _ptr]),
         "attend_one": (None, [_ptr, _c_int, _c_long, _c_long, _ptr, _ptr, _c_long, _c_long, _c_long, _ptr,
                               _c_long, _ptr, _c_long, _ptr, _ptr, _ptr, _c_long, ctypes.c_float, _ptr]),
-        "attention_pre": (_c_int, [rows, _ptr, _ptr, f32, spec, spec, spec, _c_long, _c_long, _ptr, _ptr, _ptr,
-                                   _ptr]),
-        "compress_rows": (_c_int, [rows, _ptr, _ptr, spec, spec, spec, spec, _c_long, _c_long, _ptr, _ptr, _ptr]),
-        "index_select": (_c_int, [rows, _ptr, spec, spec, _ptr, _c_long, _c_long, _c_long, _ptr, _ptr]),
-        "attention_post": (_c_int, [rows, _ptr, _ptr, _ptr, _ptr, _c_long, _c_long, f32, _ptr, _ptr, _ptr, _ptr,
-                                    _c_long, spec, _ptr]),
+        "run_blocks": (_c_int, [rows, ctypes.POINTER(StepBlock), _c_int, _ptr, _c_long, _ptr, _ptr,
+                                ctypes.POINTER(_c_int), _ptr, _c_int]),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(lib, name)

@@ -472,4 +472,61 @@ int attention_post(const DecodeRows* r, const float* x, const float* q, const fl
   return 0;
 }
 
+// One block of a decode step's layer stack: a layer's attention (`ffn_gate` null) or its FFN (`q` null). Mirrored by
+// ced/kernels StepBlock; ced/native_decode.py fills it from the layer's modules and the pool's buffers.
+struct StepBlock {
+  const float* norm;  // the block's RMSNorm weight
+  float eps;
+  const Linear *q, *k, *v, *o;  // attention
+  long heads, head_dim;
+  float scale;
+  float *ring_k, *ring_v;                         // the layer's window rings
+  const Linear *gate, *index_key;                 // a source layer's compressor (null elsewhere)
+  float *pending, *own_gk, *own_gv, *own_gi;      // ... its pending blocks and the entries it writes
+  const Linear *index_query, *index_weight;       // an index layer's indexer (null elsewhere)
+  long index_heads, index_dim;
+  const float *src_gk, *src_gv, *src_gi;          // the global source the layer reads (null: none)
+  long top_k;
+  const Linear *ffn_gate, *ffn_up, *ffn_down;     // FFN
+};
+
+// The blocks in order on x (B, C), in place: a stage of the decode step in one call, as CEDLayer.attention_block
+// and ffn_block (ced/model.py) compute it. idx / valid (B, top_k) carry the latest index layer's choice from layer
+// to layer; *selected says whether they hold one (in and out). `snapshot` (or null): x after block `snapshot_after`
+// (the encoder's output, H19).
+int run_blocks(const DecodeRows* r, const StepBlock* blocks, int n, float* x, long C, long* idx, bool* valid,
+               int* selected, float* snapshot, int snapshot_after) {
+  const int B = r->B;
+  std::vector<float> y(B * C), xn(B * C), q;
+  for (const StepBlock* s = blocks; s < blocks + n; ++s) {
+    if (s->q == nullptr) {
+      if (swiglu_block(x, B, s->norm, s->eps, s->ffn_gate, s->ffn_up, s->ffn_down, r->lora_slots, y.data()))
+        return -1;
+    } else {
+      q.resize(B * s->heads * s->head_dim);
+      if (attention_pre(r, x, s->norm, s->eps, s->q, s->k, s->v, s->heads, s->head_dim, s->ring_k, s->ring_v,
+                        xn.data(), q.data()))
+        return -1;
+      if (s->gate && compress_rows(r, xn.data(), s->pending, s->k, s->v, s->gate, s->index_key, s->heads,
+                                   s->head_dim, s->own_gk, s->own_gv, s->own_gi))
+        return -1;
+      const bool has_entries = s->src_gk && r->n_entries > 0;  // none before the source's first block ends
+      if (s->index_query) {
+        *selected = has_entries;
+        if (has_entries && index_select(r, xn.data(), s->index_query, s->index_weight, s->src_gi, s->index_heads,
+                                        s->index_dim, s->top_k, idx, valid))
+          return -1;
+      }
+      const bool reads = has_entries && *selected;
+      if (attention_post(r, x, q.data(), s->ring_k, s->ring_v, s->heads, s->head_dim, s->scale,
+                         reads ? s->src_gk : nullptr, reads ? s->src_gv : nullptr, reads ? idx : nullptr,
+                         reads ? valid : nullptr, s->top_k, s->o, y.data()))
+        return -1;
+    }
+    std::memcpy(x, y.data(), B * C * sizeof(float));
+    if (snapshot && s - blocks == snapshot_after) std::memcpy(snapshot, x, B * C * sizeof(float));
+  }
+  return 0;
+}
+
 }  // extern "C"
