@@ -144,10 +144,13 @@ class BatchedEngine:
             self.pool.reserve(row, row.length + 1)
         cache, positions = PagedCache(self.pool, rows, starts, 1), _positions(starts, 1)
         with self.engine._rows(adapters), self._kernel_threads():
-            out = self.model.shared_stage(torch.tensor(tokens)[:, None], positions, cache)
-            self._keep_stream(rows, starts, out)
-            hidden = self.model.decoder_stage(out.stream, positions, out.selection, cache)
-            logits = self.model.lm_head(hidden[:, -1])
+            native = cache.native_decode(positions)
+            logits = native.step(self.model, tokens) if native is not None else None  # one call (ced/kernels)
+            if logits is None:
+                out = self.model.shared_stage(torch.tensor(tokens)[:, None], positions, cache)
+                self._keep_stream(rows, starts, out)
+                hidden = self.model.decoder_stage(out.stream, positions, out.selection, cache)
+                logits = self.model.lm_head(hidden[:, -1])
         for row, token in zip(rows, tokens):
             row.tokens.append(token)
             row.bound_length += 1

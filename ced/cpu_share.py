@@ -27,12 +27,12 @@ class FreeCpus:
 
     def free(self) -> float:
         """CPUs' worth of this process's CPUs that other processes did not use since the last reading."""
+        if self._last is not None and time.monotonic() - self._last[0] < self.min_interval_s:
+            return self._free  # not read again: the kernel's counters cost more than a decode step's Python
         now = self._reading()
         if now is None or self._last is None:
             return self._free
         elapsed = now[0] - self._last[0]
-        if elapsed < self.min_interval_s:
-            return self._free
         busy_s = (now[1] - self._last[1]) / TICKS_PER_S
         own_s = now[2] - self._last[2]
         others = max(0.0, busy_s - own_s) / elapsed

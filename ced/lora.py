@@ -23,21 +23,29 @@ class LoRAMapping:
     row_slots: Tensor | None = None  # (B,) long
     host_slots: list[int] | None = None  # the same on the host: lets a module skip its LoRA without a sync
     active: tuple[int, ...] = ()  # the slots some row uses, ascending: the only ones a step computes
-    row_mask: Tensor | None = None  # (B, 1, len(active) * max_rank): 1 over the rank block of each row's slot
     uniform: bool = False  # every row uses the one active slot: the mask is all ones and is skipped
+    _mask: tuple | Tensor | None = None  # row_mask, or what builds it (a native decode step never reads it)
 
     def set_rows(self, slots: list[int], n_slots: int, max_rank: int, dtype: torch.dtype) -> None:
         self.active = tuple(sorted({slot for slot in slots if slot >= 0}))
-        mask = torch.zeros(len(slots), len(self.active), max_rank, dtype=dtype)
-        for row, slot in enumerate(slots):
-            if slot >= 0:
-                mask[row, self.active.index(slot)] = 1
         self.row_slots, self.host_slots = torch.tensor(slots, dtype=torch.long), slots
-        self.row_mask = mask.view(len(slots), 1, len(self.active) * max_rank)
+        self._mask = (max_rank, dtype)
         self.uniform = len(self.active) == 1 and all(slot >= 0 for slot in slots)
 
+    @property
+    def row_mask(self) -> Tensor | None:
+        """(B, 1, len(active) * max_rank): 1 over the rank block of each row's slot."""
+        if isinstance(self._mask, tuple):
+            (max_rank, dtype), slots = self._mask, self.host_slots
+            mask = torch.zeros(len(slots), len(self.active), max_rank, dtype=dtype)
+            for row, slot in enumerate(slots):
+                if slot >= 0:
+                    mask[row, self.active.index(slot)] = 1
+            self._mask = mask.view(len(slots), 1, len(self.active) * max_rank)
+        return self._mask
+
     def clear(self) -> None:
-        self.row_slots = self.host_slots = self.row_mask = None
+        self.row_slots = self.host_slots = self._mask = None
         self.active, self.uniform = (), False
 
 

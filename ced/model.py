@@ -17,6 +17,7 @@ explicit state tensors of an exported graph (`ced.state.ExportCache`, traced by 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -78,12 +79,17 @@ class RMSNorm(nn.Module):
 def rope_tables(positions: Tensor, theta: float, dim: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos and sin of the rotation at absolute positions (B, T) or (T,), for head size `dim`: (B, 1, T, D/2) or
     (T, D/2), shared by the heads (and by q and k of a layer)."""
-    half = dim // 2
-    inv_freq = theta ** (-torch.arange(half, device=positions.device, dtype=torch.float32) / half)
-    angles = positions.to(torch.float32)[..., None] * inv_freq  # (B, T, D/2)
+    angles = positions.to(torch.float32)[..., None] * _inverse_frequencies(theta, dim, positions.device)
     if angles.dim() == 3:
         angles = angles[:, None]  # (B, 1, T, D/2): one rotation per row, shared by the heads
     return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _inverse_frequencies(theta: float, dim: int, device: torch.device) -> Tensor:
+    half = dim // 2
+    with torch.inference_mode(False):  # a plain tensor, whichever mode asks first: training reads it too
+        return theta ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
 
 
 def apply_rope(x: Tensor, positions: Tensor, theta: float, tables: tuple[Tensor, Tensor] | None = None) -> Tensor:
@@ -342,10 +348,6 @@ class CEDForCausalLM(CEDPreTrainedModel):
         """Layers 0..E-1 and layer E's attention over input_ids (B, T) at positions (B, T), appending to cache."""
         E = self.ced.decoder_start
         x, selection, h19 = self.model.embed_tokens(input_ids), None, None
-        native = cache.native_decode(positions) if kernels.takes(x) else None
-        ran = native and native.shared_stage(self.model.layers, E, x)
-        if ran:  # a decode step over the paged pool: the stage in one native call
-            return SharedOutput(*ran)
         tables = self._rope(positions, x.dtype)
         for layer in self.model.layers[: E + 1]:
             x, selection = layer.attention_block(x, positions, cache, selection, tables=tables)
@@ -365,10 +367,6 @@ class CEDForCausalLM(CEDPreTrainedModel):
         position but the next-token logits of the last): returns (B, 1, C).
         """
         E = self.ced.decoder_start
-        native = cache.native_decode(positions) if capture is None and not last_only and kernels.takes(stream) else None
-        hidden = native and native.decoder_stage(self.model.layers, E, stream, selection)
-        if hidden is not None:  # a decode step over the paged pool: the stage in one native call
-            return self.model.norm(hidden)
         x = self.model.layers[E].ffn_block(stream)
         if capture is not None:
             capture.setdefault(E, []).append(x)

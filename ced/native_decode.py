@@ -1,17 +1,17 @@
-"""A decode step's stages in native calls (ced/kernels), over the paged pool in place.
+"""A decode step in one native call (ced/kernels), over the paged pool in place.
 
 A layer for one token per row is ~80 small torch operations (norm, projections, RoPE, the ring write and read, the
 indexer's scores and top-k, the gather of the selected entries, the softmax, the FFN); on the demo each costs more
-in dispatch than in arithmetic, and even one Python call per layer costs as much as its arithmetic. Here a stage
-(the encoder and the first decoder layer's attention; the rest of the decoder) is one call of `run_blocks` over an
-array of StepBlocks: per layer its attention (norm, q/k/v with the rows' LoRA, RoPE, the ring write; on source
-layers the compressor, whose completed block is pooled into a global entry; on index layers the indexer's top-k;
-the window and the selected entries, o, the residual) and its FFN. The arithmetic is the model's (ced/model.py) in
-another summation order: a row's logits agree with the torch step's to float tolerance and are the same bits alone
-or in any batch.
+in dispatch than in arithmetic, and even one Python call per layer costs as much as its arithmetic. Here the whole
+step of BatchedEngine.step (embedding, both stages, the replay rings, the final norm and the head) is one call of
+`decode_step` over a StepModel: per layer its attention (norm, q/k/v with the rows' LoRA, RoPE, the ring write; on
+source layers the compressor, whose completed block is pooled into a global entry; on index layers the indexer's
+top-k; the window and the selected entries, o, the residual) and its FFN. The arithmetic is the model's
+(ced/model.py) in another summation order: a row's logits agree with the torch step's to float tolerance and are
+the same bits alone or in any batch.
 
-The array (pointers to the modules' packed weights and the pool's buffers) is built once per stage and kept on the
-pool (`StepPlan`): rebuilt when the pool grows (its buffers move) and for each set of adapters the rows use.
+The StepModel (pointers to the modules' packed weights and the pool's buffers) is built once and kept on the pool
+(`StepPlan`): rebuilt when the pool grows (its buffers move) and for each set of adapters the rows use.
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ from torch import Tensor
 from . import kernels
 from .lora import MultiLoRALinear
 from .model import rope_tables
-from .state import Selection
 
 ATTENTION, FFN = "attention", "ffn"
-MAX_VARIANTS = 64  # adapter sets whose arrays a plan keeps (a new set past it starts the cache over)
+MAX_VARIANTS = 64  # adapter sets whose StepModels a plan keeps (a new set past it starts the cache over)
 
 
 def layer_blocks(layers: range) -> tuple[tuple[int, str], ...]:
@@ -37,92 +36,88 @@ def layer_blocks(layers: range) -> tuple[tuple[int, str], ...]:
 
 
 class NativeDecode:
-    """One decode step over `cache` (a PagedCache of one position per row): what every stage shares, built once."""
+    """One decode step over `cache` (a PagedCache of one position per row)."""
 
     def __init__(self, cache, positions: Tensor):
         pool, B = cache.pool, len(cache.rows)
         config = pool.config
         self.cache, self.lib, self.B, self.top_k = cache, kernels.library(), B, config.index_top_k
         cos, sin = rope_tables(positions.reshape(B, 1), config.rope_theta, config.head_dim, torch.float32)
-        self._keep = [cache.slots.contiguous(), positions.reshape(B).contiguous(), cache.ring_key_positions(),
-                      cache.table.contiguous(), cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous()]
-        slots, flat_positions, key_pos, table, cos, sin = self._keep
+        self._keep = [cache.slots.contiguous(), positions.reshape(B).contiguous(), cache.table.contiguous(),
+                      cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous()]
+        slots, flat_positions, table, cos, sin = self._keep
         self.rows = kernels.DecodeRows(
-            B, slots.data_ptr(), flat_positions.data_ptr(), key_pos.data_ptr(), key_pos.shape[1], pool.W,
-            table.data_ptr(), table.shape[1], pool.page_entries, max(cache.ends) // cache.m, cache.m,
-            cos.data_ptr(), sin.data_ptr(), None)
+            B, slots.data_ptr(), flat_positions.data_ptr(), min(pool.W, max(cache.ends)), pool.W, table.data_ptr(),
+            table.shape[1], pool.page_entries, max(cache.ends) // cache.m, cache.m, cos.data_ptr(), sin.data_ptr(),
+            None)
 
-    def shared_stage(self, layers, E: int, x: Tensor) -> tuple[Tensor, Tensor, Selection | None] | None:
-        """CEDForCausalLM.shared_stage on the embedded tokens x (B, 1, C): (H19, the stream after layer E's
-        attention, its selection), or None (no native form)."""
-        ran = self._run(layers, (*layer_blocks(range(E)), (E, ATTENTION)), x, None,
-                        snapshot_after=2 * E - 1 if E else None)
-        return None if ran is None else (ran[2], ran[0], ran[1])
-
-    def decoder_stage(self, layers, E: int, stream: Tensor, selection: Selection | None) -> Tensor | None:
-        """CEDForCausalLM.decoder_stage's hidden state before the final norm, or None (no native form)."""
-        ran = self._run(layers, ((E, FFN), *layer_blocks(range(E + 1, len(layers)))), stream, selection)
-        return None if ran is None else ran[0]
-
-    def _run(self, layers, blocks: tuple[tuple[int, str], ...], x: Tensor, selection: Selection | None,
-             snapshot_after: int | None = None) -> tuple[Tensor, Selection | None, Tensor | None] | None:
-        """`blocks` of `layers` (the model's CEDLayers) on x (B, 1, C) in one call: x after them, the selection
-        the next layers read, and x after block `snapshot_after` (or None); None where a linear is not the
-        engine's (no native form), so the caller runs the torch path."""
+    def step(self, model, tokens: list[int]) -> Tensor | None:
+        """Next-token logits (B, V) of BatchedEngine.step for `tokens` (one per row) through `model` (a
+        CEDForCausalLM, its linears the engine's), the replay rings written as `_keep_stream` writes them; None
+        where a linear has no native form (the caller runs the torch path)."""
         pool = self.cache.pool
-        key = (id(layers), blocks, pool.n_slots, pool.n_pages)  # growth moves the pool's buffers
+        key = (id(model), pool.n_slots, pool.n_pages)  # growth moves the pool's buffers
         plan = pool.native_plans.get(key)
         if plan is None:
-            plan = pool.native_plans[key] = StepPlan(layers, blocks, pool)
-        array = plan.array()
-        if array is None:
+            plan = pool.native_plans[key] = StepPlan(model, pool)
+        step_model = plan.step_model()
+        if step_model is None:
             return None
-        B, C, top_k = self.B, x.shape[-1], self.top_k
         slots = plan.mapping.row_slots if plan.mapping is not None else None
         self.rows.lora_slots = None if slots is None else slots.data_ptr()
-        out = x.reshape(B, C).clone()
-        if selection is not None:
-            idx, valid = selection.idx.reshape(B, top_k).clone(), selection.valid.reshape(B, top_k).clone()
-        else:
-            idx, valid = torch.zeros(B, top_k, dtype=torch.long), torch.zeros(B, top_k, dtype=torch.bool)
-        selected = ctypes.c_int(selection is not None)
-        snapshot = x.new_empty(B, 1, C) if snapshot_after is not None else None
-        kernels.check(self.lib.run_blocks(
-            ctypes.byref(self.rows), array, len(array), out.data_ptr(), C, idx.data_ptr(), valid.data_ptr(),
-            ctypes.byref(selected), None if snapshot is None else snapshot.data_ptr(),
-            -1 if snapshot_after is None else snapshot_after))
-        chosen = Selection(idx.view(B, 1, top_k), valid.view(B, 1, top_k)) if selected.value else None
-        return out.view(B, 1, C), chosen, snapshot
+        ids = torch.tensor(tokens, dtype=torch.long)
+        logits = torch.empty(self.B, model.ced.vocab_size)
+        kernels.check(self.lib.decode_step(ctypes.byref(self.rows), ctypes.byref(step_model), ids.data_ptr(),
+                                           logits.data_ptr()))
+        return logits
 
 
 class StepPlan:
-    """The StepBlock array of `blocks` over the pool's buffers, one per set of adapters in use (a linear runs its
-    LoRA only where a row's adapter has one for it); None where a linear has no native form."""
+    """A model's StepModel over one pool's buffers, one per set of adapters in use (a linear runs its LoRA only
+    where a row's adapter has one for it); None where a linear has no native form."""
 
-    def __init__(self, layers, blocks: tuple[tuple[int, str], ...], pool):
-        self.layers, self.blocks, self.pool = layers, blocks, pool
-        linears = [linear for index, part in blocks for linear in _linears(layers[index], part)]
-        self.native = all(hasattr(linear, "native_spec") for linear in linears) and all(
-            kernels.available(norm.weight.dtype) for index, part in blocks for norm in [_norm(layers[index], part)])
+    def __init__(self, model, pool):
+        self.model, self.pool = model, pool
+        E, layers = model.ced.decoder_start, model.model.layers
+        self.stages = ((*layer_blocks(range(E)), (E, ATTENTION)), ((E, FFN), *layer_blocks(range(E + 1, len(layers)))))
+        blocks = [block for stage in self.stages for block in stage]
+        linears = [linear for index, part in blocks for linear in _linears(layers[index], part)] + [model.lm_head]
+        norms = [_norm(layers[index], part) for index, part in blocks] + [model.model.norm]
+        self.native = (all(hasattr(linear, "native_spec") for linear in linears)
+                       and all(kernels.available(t.dtype) for t in [model.model.embed_tokens.weight]
+                               + [norm.weight for norm in norms]))
         self.mapping = next((linear.mapping for linear in linears if isinstance(linear, MultiLoRALinear)), None)
-        self._arrays: dict[tuple, ctypes.Array | None] = {}
+        self._variants: dict[tuple, tuple | None] = {}
 
-    def array(self) -> ctypes.Array | None:
+    def step_model(self) -> kernels.StepModel | None:
         if not self.native:
             return None
         mapping = self.mapping
         if mapping is not None and mapping.row_slots is not None and mapping.host_slots is None:
             return None  # a mapping of slots only (the baseline engine's): no native form
         key = (mapping.active if mapping is not None else (), MultiLoRALinear.changes)
-        if key not in self._arrays:
-            if len(self._arrays) >= MAX_VARIANTS:
-                self._arrays.clear()
-            self._arrays[key] = self._build()
-        return self._arrays[key]
+        if key not in self._variants:
+            if len(self._variants) >= MAX_VARIANTS:
+                self._variants.clear()
+            self._variants[key] = self._build()
+        variant = self._variants[key]
+        return None if variant is None else variant[0]
 
-    def _build(self) -> ctypes.Array | None:
-        blocks = [self._block(self.layers[index], part) for index, part in self.blocks]
-        return None if None in blocks else (kernels.StepBlock * len(blocks))(*blocks)
+    def _build(self) -> tuple | None:
+        layers, pool, model = self.model.model.layers, self.pool, self.model
+        stages = [[self._block(layers[index], part) for index, part in stage] for stage in self.stages]
+        head = model.lm_head.native_spec()
+        if head is None or any(None in stage for stage in stages):
+            return None
+        shared, decoder = ((kernels.StepBlock * len(stage))(*stage) for stage in stages)
+        norm = model.model.norm
+        step_model = kernels.StepModel(
+            embed=model.model.embed_tokens.weight.data_ptr(), hidden=model.ced.hidden_size, shared=shared,
+            n_shared=len(shared), decoder=decoder, n_decoder=len(decoder), top_k=model.ced.index_top_k,
+            stream_ring=pool.stream.data_ptr(), sel_idx_ring=pool.sel_idx.data_ptr(),
+            sel_valid_ring=pool.sel_valid.data_ptr(), final_norm=norm.weight.data_ptr(), final_eps=norm.eps,
+            head=ctypes.pointer(head))
+        return step_model, shared, decoder  # the arrays stay alive with the struct that points into them
 
     def _block(self, layer, part: str) -> kernels.StepBlock | None:
         specs = [linear.native_spec() for linear in _linears(layer, part)]

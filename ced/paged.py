@@ -312,9 +312,10 @@ class PagedCache:
         return self._past["ring"]
 
     def native_decode(self, positions: Tensor):
-        """The native form of this call's stages (ced/native_decode.py) where it is a decode step on float32 rings
-        and the kernels are built; else None."""
-        if self.length != 1 or self.fresh or self.pool.dtype != torch.float32 or not kernels.available(torch.float32):
+        """The native form of this call's step (ced/native_decode.py) where it is a decode step of at most
+        kernels.MAX_ROWS rows on float32 rings and the kernels are on; else None."""
+        if (self.length != 1 or self.fresh or self.pool.dtype != torch.float32 or len(self.rows) > kernels.MAX_ROWS
+                or not kernels.enabled()):
             return None
         if "native" not in self._past:
             self._past["native"] = NativeDecode(self, positions)

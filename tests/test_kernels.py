@@ -126,14 +126,14 @@ def test_two_threads_give_the_same_bits():
 
 def test_a_native_decode_step_is_the_torch_step_to_float_tolerance(adapter_dirs, tiny_model, monkeypatch):
     """Three ragged rows under three adapters (one none), 20 steps over block ends and page ends: the native step
-    (ced/native_decode.py: each stage one call) and the torch step choose the same global entries and agree on
+    (ced/native_decode.py: one call) and the torch step choose the same global entries and agree on
     the logits."""
     from ced import CEDEngine
     from ced.batched import BatchedEngine
     from ced.native_decode import NativeDecode
 
-    stages, run_stage = [], NativeDecode._run
-    monkeypatch.setattr(NativeDecode, "_run", lambda *args, **kw: stages.append(run_stage(*args, **kw)) or stages[-1])
+    steps, native_step = [], NativeDecode.step
+    monkeypatch.setattr(NativeDecode, "step", lambda *args: steps.append(native_step(*args)) or steps[-1])
 
     def run(native: bool):
         engine = CEDEngine(tiny_model(), max_adapters=4, max_rank=8)
@@ -155,7 +155,7 @@ def test_a_native_decode_step_is_the_torch_step_to_float_tolerance(adapter_dirs,
         return torch.stack(out), batched.pool.sel_idx.clone(), batched.pool.sel_valid.clone()
 
     native, torch_path = run(True), run(False)
-    assert len(stages) == 2 * 20 and None not in stages  # both stages of every step ran natively
+    assert len(steps) == 20 and None not in steps  # every step ran natively
     assert native[2].equal(torch_path[2])
     assert native[1].masked_fill(~native[2], 0).equal(torch_path[1].masked_fill(~torch_path[2], 0))
     assert float((native[0] - torch_path[0]).abs().max()) < 1e-4

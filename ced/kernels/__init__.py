@@ -82,7 +82,7 @@ class LinearSpec(ctypes.Structure):
 class DecodeRows(ctypes.Structure):
     """decode.cpp's `DecodeRows`: what every layer of one decode step over the paged pool shares."""
 
-    _fields_ = [("B", _c_int), ("slots", _ptr), ("positions", _ptr), ("key_pos", _ptr), ("filled", _c_long),
+    _fields_ = [("B", _c_int), ("slots", _ptr), ("positions", _ptr), ("filled", _c_long),
                 ("window", _c_long), ("table", _ptr), ("table_width", _c_long), ("page_entries", _c_long),
                 ("n_entries", _c_long), ("block", _c_long), ("cos", _ptr), ("sin", _ptr), ("lora_slots", _ptr)]
 
@@ -98,6 +98,15 @@ class StepBlock(ctypes.Structure):
                 ("index_heads", _c_long), ("index_dim", _c_long), ("src_gk", _ptr), ("src_gv", _ptr),
                 ("src_gi", _ptr), ("top_k", _c_long), ("ffn_gate", ctypes.POINTER(LinearSpec)),
                 ("ffn_up", ctypes.POINTER(LinearSpec)), ("ffn_down", ctypes.POINTER(LinearSpec))]
+
+
+class StepModel(ctypes.Structure):
+    """decode.cpp's `StepModel`: the whole model for a decode step (its two stages' blocks and what lies around)."""
+
+    _fields_ = [("embed", _ptr), ("hidden", _c_long), ("shared", ctypes.POINTER(StepBlock)), ("n_shared", _c_int),
+                ("decoder", ctypes.POINTER(StepBlock)), ("n_decoder", _c_int), ("top_k", _c_long),
+                ("stream_ring", _ptr), ("sel_idx_ring", _ptr), ("sel_valid_ring", _ptr), ("final_norm", _ptr),
+                ("final_eps", ctypes.c_float), ("head", ctypes.POINTER(LinearSpec))]
 
 
 def _load() -> ctypes.CDLL | None:
@@ -122,8 +131,7 @@ def _load() -> ctypes.CDLL | None:
         "swiglu_block": (_c_int, [_ptr, _c_int, _ptr, ctypes.c_float, spec, spec, spec, _ptr, _ptr]),
         "attend_one": (None, [_ptr, _c_int, _c_long, _c_long, _ptr, _ptr, _c_long, _c_long, _c_long, _ptr,
                               _c_long, _ptr, _c_long, _ptr, _ptr, _ptr, _c_long, ctypes.c_float, _ptr]),
-        "run_blocks": (_c_int, [rows, ctypes.POINTER(StepBlock), _c_int, _ptr, _c_long, _ptr, _ptr,
-                                ctypes.POINTER(_c_int), _ptr, _c_int]),
+        "decode_step": (_c_int, [rows, ctypes.POINTER(StepModel), _ptr, _ptr]),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(lib, name)
@@ -168,16 +176,19 @@ def turned_off():
         _turned_off -= 1
 
 
+def enabled() -> bool:
+    """Whether the kernels may run now: built, not turned off, and neither gradients (the kernels have no
+    backward) nor a tracer or compiler watching (they see torch operations only)."""
+    return (not _turned_off and library() is not None and not torch.is_grad_enabled()
+            and not torch.jit.is_tracing() and not torch.compiler.is_compiling() and not torch.onnx.is_in_onnx_export())
+
+
 def takes(x: Tensor) -> bool:
     """Whether work on x (B, C) or (B, 1, C) goes to the kernels: one position per row (a decode step; a chunk of
     a prefill or replay keeps MKL's arithmetic, so a replayed window has the bits of the one-pass oracle), few
-    rows, float32 on the CPU, and neither gradients (the kernels have no backward) nor a tracer or compiler
-    watching (they see torch operations only)."""
-    return (not _turned_off and x.dtype == torch.float32 and x.device.type == "cpu"
-            and (x.dim() == 2 or x.shape[-2] == 1)
-            and x.numel() <= MAX_ROWS * x.shape[-1]
-            and not torch.is_grad_enabled() and not torch.jit.is_tracing() and not torch.compiler.is_compiling()
-            and not torch.onnx.is_in_onnx_export())
+    rows, float32 on the CPU, while `enabled()`."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and (x.dim() == 2 or x.shape[-2] == 1)
+            and x.numel() <= MAX_ROWS * x.shape[-1] and enabled())
 
 
 def set_threads(n: int) -> None:

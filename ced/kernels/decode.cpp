@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -280,8 +281,7 @@ struct DecodeRows {
   int B;
   const long* slots;       // (B) each row's ring slot
   const long* positions;   // (B) the position of this step's token
-  const long* key_pos;     // (B, filled) the position held in each ring place after this step's write (or far)
-  long filled;             // ring places to read
+  long filled;             // ring places to read (place s holds the latest position p - ((p - s) mod W) <= p)
   long window;             // W: the ring's length and the attention window
   const long* table;       // (B, table_width) page table
   long table_width;
@@ -439,10 +439,10 @@ int attention_post(const DecodeRows* r, const float* x, const float* q, const fl
         const float* keys = ring_k + (r->slots[b] * H + h) * r->window * D;
         const float* values = ring_v + (r->slots[b] * H + h) * r->window * D;
         float top = -INFINITY;
-        for (long s = 0; s < S; ++s) {
-          const long distance = r->positions[b] - r->key_pos[b * S + s];
+        for (long s = 0; s < S; ++s) {  // a place not written yet (its position would be < 0) is masked
+          const long position = r->positions[b], distance = ((position - s) % r->window + r->window) % r->window;
           float score = -INFINITY;
-          if (distance >= 0 && distance < r->window) score = dot(qh, keys + s * D, D) * scale;
+          if (distance <= position) score = dot(qh, keys + s * D, D) * scale;
           top = std::max(top, p[s] = score);
         }
         for (long j = 0; j < K; ++j) {
@@ -490,12 +490,15 @@ struct StepBlock {
   const Linear *ffn_gate, *ffn_up, *ffn_down;     // FFN
 };
 
-// The blocks in order on x (B, C), in place: a stage of the decode step in one call, as CEDLayer.attention_block
-// and ffn_block (ced/model.py) compute it. idx / valid (B, top_k) carry the latest index layer's choice from layer
-// to layer; *selected says whether they hold one (in and out). `snapshot` (or null): x after block `snapshot_after`
-// (the encoder's output, H19).
+}  // extern "C"
+
+namespace {
+
+// The blocks in order on x (B, C), in place, as CEDLayer.attention_block and ffn_block (ced/model.py) compute
+// them. idx / valid (B, top_k) carry the latest index layer's choice from layer to layer; `selected` says whether
+// they hold one.
 int run_blocks(const DecodeRows* r, const StepBlock* blocks, int n, float* x, long C, long* idx, bool* valid,
-               int* selected, float* snapshot, int snapshot_after) {
+               bool& selected) {
   const int B = r->B;
   std::vector<float> y(B * C), xn(B * C), q;
   for (const StepBlock* s = blocks; s < blocks + n; ++s) {
@@ -512,21 +515,67 @@ int run_blocks(const DecodeRows* r, const StepBlock* blocks, int n, float* x, lo
         return -1;
       const bool has_entries = s->src_gk && r->n_entries > 0;  // none before the source's first block ends
       if (s->index_query) {
-        *selected = has_entries;
+        selected = has_entries;
         if (has_entries && index_select(r, xn.data(), s->index_query, s->index_weight, s->src_gi, s->index_heads,
                                         s->index_dim, s->top_k, idx, valid))
           return -1;
       }
-      const bool reads = has_entries && *selected;
+      const bool reads = has_entries && selected;
       if (attention_post(r, x, q.data(), s->ring_k, s->ring_v, s->heads, s->head_dim, s->scale,
                          reads ? s->src_gk : nullptr, reads ? s->src_gv : nullptr, reads ? idx : nullptr,
                          reads ? valid : nullptr, s->top_k, s->o, y.data()))
         return -1;
     }
     std::memcpy(x, y.data(), B * C * sizeof(float));
-    if (snapshot && s - blocks == snapshot_after) std::memcpy(snapshot, x, B * C * sizeof(float));
   }
   return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// The whole model for a decode step: its blocks in two stages and what lies around them. Mirrored by ced/kernels
+// StepModel; ced/native_decode.py fills it.
+struct StepModel {
+  const float* embed;          // (V, C) the token embedding
+  long hidden;                 // C
+  const StepBlock* shared;     // layers 0..E-1 and layer E's attention
+  int n_shared;
+  const StepBlock* decoder;    // layer E's FFN and layers E+1..L-1
+  int n_decoder;
+  long top_k;
+  float* stream_ring;          // (slots, W, C) the replay rings: layer E's post-attention stream ...
+  long* sel_idx_ring;          // (slots, W, top_k) ... and its top-k choice
+  bool* sel_valid_ring;
+  const float* final_norm;
+  float final_eps;
+  const Linear* head;          // (C, V)
+};
+
+// One decode step of B rows (each one token) as BatchedEngine.step runs it through CEDForCausalLM's shared_stage,
+// the replay rings and decoder_stage (ced/model.py, ced/batched.py): the next-token logits (B, V) out.
+int decode_step(const DecodeRows* r, const StepModel* m, const long* tokens, float* logits) {
+  const int B = r->B;
+  const long C = m->hidden, K = m->top_k, W = r->window;
+  std::vector<float> x(B * C), normed(B * C);
+  std::vector<long> idx(B * K, 0);
+  std::unique_ptr<bool[]> valid(new bool[B * K]());
+  bool selected = false;
+  for (int b = 0; b < B; ++b) std::memcpy(x.data() + b * C, m->embed + tokens[b] * C, C * sizeof(float));
+  if (run_blocks(r, m->shared, m->n_shared, x.data(), C, idx.data(), valid.get(), selected)) return -1;
+  for (int b = 0; b < B; ++b) {  // what a switch replays: an invalid place kept as entry 0 (BatchedEngine._keep_stream)
+    const long place = r->slots[b] * W + r->positions[b] % W;
+    std::memcpy(m->stream_ring + place * C, x.data() + b * C, C * sizeof(float));
+    for (long j = 0; j < K; ++j) {
+      const bool kept = selected && valid[b * K + j];
+      m->sel_valid_ring[place * K + j] = kept;
+      m->sel_idx_ring[place * K + j] = kept ? idx[b * K + j] : 0;
+    }
+  }
+  if (run_blocks(r, m->decoder, m->n_decoder, x.data(), C, idx.data(), valid.get(), selected)) return -1;
+  rms_norm(x.data(), B, C, m->final_norm, m->final_eps, normed.data());
+  return linear(m->head, normed.data(), C, B, r->lora_slots, logits, m->head->out);
 }
 
 }  // extern "C"
