@@ -32,10 +32,10 @@ CHUNK_THREADS_MIN_POSITIONS = 128
 
 class BatchedEngine:
     """`chunk_threads`: the most threads of a large prefill or replay call, and of a decode step's larger products
-    in the native kernels (ced/kernels: a second thread reads the upper half of each weight), each call taking as
+    in the native kernels (ced/kernels: a second thread claims parts of each weight as it comes free), each taking as
     many as other processes leave CPUs free (ced/cpu_share.py); None: the caller's torch setting for chunks, one
-    thread for the kernels. A decode step's torch operations always run on the caller's setting (their small
-    operations lose more to waking a second thread than they gain).
+    thread for the kernels. A decode step without the kernels runs on the caller's setting (its small operations
+    lose more to waking a second thread than they gain).
     `capacity_bytes`: the pool's room before it must grow (PagePool)."""
 
     def __init__(self, engine: CEDEngine, page_entries: int = 64, chunk_threads: int | None = None,

@@ -1,4 +1,4 @@
-// The decode step's native kernels (ced/kernels/__init__.py loads them; ced/native_decode.py drives the attention).
+// The decode step's native kernels (ced/kernels/__init__.py loads them; ced/native_decode.py calls decode_step).
 //
 // Products y = x @ W for a few rows of x (a decode step's batch): each weight is read once, from panels that lie in
 // memory in the order the loop reads them, for every row of the call at once. A weight W (in, out) is packed as
@@ -7,7 +7,8 @@
 // multiply-add per term, whatever the number of rows in the call and whichever panel holds the column: a row's
 // result is the same bits alone or in any batch. On them: each row's LoRA, RMSNorm, the SwiGLU FFN block, and a
 // layer's attention over the paged pool for one token per row (the ring write, the compressor, the indexer's
-// top-k, the window and the selected global entries), with a second thread for the larger work.
+// top-k, the window and the selected global entries), with a second thread for the larger work; and decode_step,
+// the whole model for one token per row in one call.
 //
 // Built by ced/kernels/__init__.py with the host's compiler for the host's CPU (-O3 -march=native).
 #include <unistd.h>
@@ -92,21 +93,43 @@ void gemm_columns(const float* x, long ldx, int M, const float* packed, long in,
 }
 
 // A second thread for the larger work of a step: one step reads every weight once, and one core's reads alone do
-// not reach the memory's bandwidth. `two_halves(n, f)` runs f(0, n/2) here and f(n/2, n) on the worker; what each
-// half computes does not depend on the split (a product's columns, a batch's rows), so the bits do not depend on
-// the threads. Between jobs the worker spins for SPIN_NS, then sleeps on a futex (std::atomic::wait): a step's
-// Python between its products does not cost a wake-up each time, and an idle engine holds no CPU.
+// not reach the memory's bandwidth. `parallel(n, f)` runs f(i) for i in [0, n) (a product's column panels, a
+// batch's rows), each i on whichever thread claims it first: this one and the worker. What f(i) computes does not
+// depend on the thread, so the bits do not. A thread that another process keeps off its CPU only holds up the part
+// it has claimed: the other claims the rest (a fixed split would wait for the whole of its half). Between jobs the
+// worker spins for SPIN_NS, then sleeps on a futex (std::atomic::wait): a step's Python between its products does
+// not cost a wake-up each time, and an idle engine holds no CPU.
 constexpr long SPIN_NS = 50000;
-constexpr long PARALLEL_FLOATS = 1 << 16;  // products of at least this many weights (256 KB) are split
-std::atomic<unsigned> posted{0}, finished{0};
+constexpr long PARALLEL_FLOATS = 1 << 16;  // products of at least this many weights (256 KB) are shared
+constexpr long CHUNK_FLOATS = 1 << 14;     // a product's columns are claimed in parts of about this many weights
+std::atomic<unsigned> posted{0};           // the last job's ticket: what wakes the worker
+// The job's claims: ticket (24 bits) | parts (20) | next unclaimed part (20). A claim is a compare-and-swap of the
+// whole word, so a claim on a job that has ended (its ticket gone) fails instead of running a part of the next.
+std::atomic<unsigned long> claims{0};
+std::atomic<long> parts_done{0};
 std::atomic<int> threads{1};
 std::atomic_flag busy = ATOMIC_FLAG_INIT;  // the worker serves one caller at a time; another runs alone
 pid_t worker_pid = 0;  // the process that started the worker (a forked child has none and starts its own)
 struct Job {
-  void (*run)(void*, long, long);
+  void (*run)(void*, long);
   void* f;
-  long begin, end;
 } job;
+
+// Claims and runs the parts of job `ticket` until none is left; returns how many it ran.
+long run_parts(unsigned long ticket) {
+  long ran = 0;
+  unsigned long word = claims.load(std::memory_order_acquire);
+  for (;;) {
+    const unsigned long parts = (word >> 20) & 0xfffff, next = word & 0xfffff;
+    if (word >> 40 != ticket || next >= parts) return ran;
+    if (claims.compare_exchange_weak(word, word + 1, std::memory_order_acq_rel)) {
+      job.run(job.f, next);
+      parts_done.fetch_add(1, std::memory_order_release);
+      ++ran;
+      word = claims.load(std::memory_order_acquire);
+    }
+  }
+}
 
 void worker_loop(unsigned seen) {  // `seen`: the last ticket before the worker started
   for (;;) {
@@ -118,39 +141,42 @@ void worker_loop(unsigned seen) {  // `seen`: the last ticket before the worker 
       }
     }
     seen = now;
-    job.run(job.f, job.begin, job.end);
-    finished.store(now, std::memory_order_release);
+    run_parts(now & 0xffffff);
   }
 }
 
 template <class F>
-void two_halves(long n, bool worth_it, F&& f) {
-  if (!worth_it || n < 2 || threads.load() < 2 || busy.test_and_set()) {
-    f(0, n);
+void parallel(long n, bool worth_it, F&& f) {
+  if (!worth_it || n < 2 || n > 0xfffff || threads.load() < 2 || busy.test_and_set()) {
+    for (long i = 0; i < n; ++i) f(i);
     return;
   }
   if (worker_pid != getpid()) {
     worker_pid = getpid();
-    finished.store(posted.load());
     std::thread(worker_loop, posted.load()).detach();
   }
-  job = Job{[](void* g, long begin, long end) { (*static_cast<F*>(g))(begin, end); }, &f, n / 2, n};
+  job = Job{[](void* g, long i) { (*static_cast<F*>(g))(i); }, &f};
+  parts_done.store(0, std::memory_order_relaxed);
   const unsigned ticket = posted.load() + 1;
+  claims.store((static_cast<unsigned long>(ticket & 0xffffff) << 40) | (static_cast<unsigned long>(n) << 20),
+               std::memory_order_release);
   posted.store(ticket, std::memory_order_release);
   posted.notify_one();
-  f(0, n / 2);
-  while (finished.load(std::memory_order_acquire) != ticket) {
+  run_parts(ticket & 0xffffff);
+  while (parts_done.load(std::memory_order_acquire) != n) {  // a part the worker claimed and still runs
   }
   busy.clear();
 }
 
-// A product's columns in two parts at a multiple of 64 (whole panels) near the middle.
+// A product's columns in parts of whole 64-wide panels, about CHUNK_FLOATS weights each (the last part also takes
+// the narrower panels at the end).
 void gemm_split(const float* x, long ldx, int M, const float* packed, long in, long out, float* y, long ldy,
                 bool accumulate) {
-  const long split = std::min(out, (out / 2 + 63) / 64 * 64);
-  two_halves(2, in * out >= PARALLEL_FLOATS && split < out, [&](long begin, long end) {
-    for (long part = begin; part < end; ++part)
-      gemm_columns(x, ldx, M, packed, in, out, y, ldy, accumulate, part ? split : 0, part ? out : split);
+  const long width = std::max(64L, (CHUNK_FLOATS / std::max(in, 1L) + 63) / 64 * 64);
+  const long parts = std::max(1L, out / width);
+  parallel(parts, in * out >= PARALLEL_FLOATS, [&](long part) {
+    gemm_columns(x, ldx, M, packed, in, out, y, ldy, accumulate, part * width,
+                 part == parts - 1 ? out : (part + 1) * width);
   });
 }
 
@@ -431,9 +457,9 @@ int attention_post(const DecodeRows* r, const float* x, const float* q, const fl
   const int B = r->B;
   const long HD = H * D, S = r->filled, K = (gk && idx) ? top_k : 0;
   std::vector<float> out(B * HD);
-  two_halves(B, true, [&](long b_begin, long b_end) {
+  parallel(B, true, [&](long b) {
     std::vector<float> p(S + K);
-    for (long b = b_begin; b < b_end; ++b) {
+    {
       for (long h = 0; h < H; ++h) {
         const float* qh = q + b * HD + h * D;
         const float* keys = ring_k + (r->slots[b] * H + h) * r->window * D;
