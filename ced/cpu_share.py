@@ -39,10 +39,10 @@ class FreeCpus:
         self._last, self._free = now, max(0.0, len(self.cpus) - others)
         return self._free
 
-    def threads(self, most: int) -> int:
-        """Threads for a parallel call of at most `most`: one per CPU that is free (a CPU a quarter used by others
-        counts as free), at least one."""
-        return max(1, min(most, int(self.free() + 0.25)))
+    def threads(self, most: int, shared_ok: float = 0.25) -> int:
+        """Threads for a parallel call of at most `most`: one per CPU that is free (a CPU others use for at most
+        `shared_ok` of its time counts as free), at least one."""
+        return max(1, min(most, int(self.free() + shared_ok)))
 
     def _reading(self) -> tuple[float, int, float] | None:
         """(monotonic time, busy ticks of our CPUs, this process's CPU seconds), or None without /proc/stat."""

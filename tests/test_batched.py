@@ -280,7 +280,7 @@ class FreeCpusReading:
     def __init__(self, free: int):
         self.free = free
 
-    def threads(self, most: int) -> int:
+    def threads(self, most: int, shared_ok: float = 0.25) -> int:
         return max(1, min(most, self.free))
 
 

@@ -49,6 +49,8 @@ def test_a_busy_process_beside_us_takes_one_cpu_of_two(tmp_path, monkeypatch):
     machine.run(1.0, own_s=0.2, busy_s=(0.2, 0.2))  # a process a fifth busy leaves the CPU free
     assert cpus.threads(2) == 2
     assert cpus.threads(1) == 1
+    machine.run(1.0, own_s=1.0, busy_s=(1.0, 0.4))  # one 40 % busy: free for a caller that shares half a CPU
+    assert cpus.threads(2) == 1 and cpus.threads(2, shared_ok=0.5) == 2
 
 
 def test_readings_too_close_together_keep_the_last_answer(tmp_path, monkeypatch):
