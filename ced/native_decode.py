@@ -83,7 +83,7 @@ class StepPlan:
         blocks = [block for stage in self.stages for block in stage]
         linears = [linear for index, part in blocks for linear in _linears(layers[index], part)] + [model.lm_head]
         norms = [_norm(layers[index], part) for index, part in blocks] + [model.model.norm]
-        self.native = (all(hasattr(linear, "native_spec") for linear in linears)
+        self.native = (all(hasattr(linear, "native_spec") and _bias(linear) is None for linear in linears)
                        and all(kernels.available(t.dtype) for t in [model.model.embed_tokens.weight]
                                + [norm.weight for norm in norms]))
         self.mapping = next((linear.mapping for linear in linears if isinstance(linear, MultiLoRALinear)), None)
@@ -160,6 +160,11 @@ def _linears(layer, part: str) -> list:
     if attn.indexer is not None:
         linears += [attn.indexer.query, attn.indexer.weight]
     return linears
+
+
+def _bias(linear):
+    """A linear's bias, which the kernels' products have none of (the CED model's linears have none)."""
+    return getattr(getattr(linear, "base", linear), "bias", None)
 
 
 def _norm(layer, part: str):

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from ced.engine import SamplingParams, sample, shaped_logits
+from ced.engine import SamplingParams, draw, sample, shaped_logits
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, -1.0, 0.5])
 
@@ -49,6 +49,17 @@ def test_min_p_drops_the_unlikely_tail():
     assert without == {0, 1, 2, 3}  # at a temperature that makes the tail likely, it is drawn without min_p
     assert {sample(logits, SamplingParams(temperature=50.0, min_p=0.99), torch.Generator().manual_seed(seed))
             for seed in range(200)} == {0, 1}  # and not with it
+
+
+def test_a_draw_follows_the_probabilities_and_never_takes_an_impossible_token():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0])  # unnormalised sums work the same: scaled below
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.tensor([draw(probs * 3.0, generator) for _ in range(20000)]), minlength=6)
+    assert counts[[0, 2, 5]].tolist() == [0, 0, 0]
+    assert (counts / 20000).tolist() == pytest.approx(probs.tolist(), abs=0.015)  # ~4 standard deviations
+    assert [draw(probs, torch.Generator().manual_seed(7)) for _ in range(3)] == [draw(probs, torch.Generator()
+                                                                                       .manual_seed(7))] * 3
+    assert draw(torch.tensor([0.0, 0.0, 1.0, 0.0]), generator) == 2
 
 
 @pytest.mark.parametrize("values", [{"min_p": 1.5}, {"min_p": -0.1}, {"repetition_penalty": 0.0},

@@ -459,36 +459,34 @@ int attention_post(const DecodeRows* r, const float* x, const float* q, const fl
   std::vector<float> out(B * HD);
   parallel(B, true, [&](long b) {
     std::vector<float> p(S + K);
-    {
-      for (long h = 0; h < H; ++h) {
-        const float* qh = q + b * HD + h * D;
-        const float* keys = ring_k + (r->slots[b] * H + h) * r->window * D;
-        const float* values = ring_v + (r->slots[b] * H + h) * r->window * D;
-        float top = -INFINITY;
-        for (long s = 0; s < S; ++s) {  // a place not written yet (its position would be < 0) is masked
-          const long position = r->positions[b], distance = ((position - s) % r->window + r->window) % r->window;
-          float score = -INFINITY;
-          if (distance <= position) score = dot(qh, keys + s * D, D) * scale;
-          top = std::max(top, p[s] = score);
-        }
-        for (long j = 0; j < K; ++j) {
-          float score = -INFINITY;
-          if (valid[b * K + j]) score = dot(qh, gk + entry_offset(r, b, idx[b * K + j], HD) + h * D, D) * scale;
-          top = std::max(top, p[S + j] = score);
-        }
-        float total = 0.0f;
-        for (long i = 0; i < S + K; ++i) total += (p[i] = std::exp(p[i] - top));
-        float* o = out.data() + b * HD + h * D;
-        for (long s = 0; s < S; ++s) {
-          const float weight = p[s] / total;
-          for (long d = 0; d < D; ++d) o[d] += weight * values[s * D + d];
-        }
-        for (long j = 0; j < K; ++j) {
-          if (!valid[b * K + j]) continue;
-          const float weight = p[S + j] / total;
-          const float* value = gv + entry_offset(r, b, idx[b * K + j], HD) + h * D;
-          for (long d = 0; d < D; ++d) o[d] += weight * value[d];
-        }
+    for (long h = 0; h < H; ++h) {
+      const float* qh = q + b * HD + h * D;
+      const float* keys = ring_k + (r->slots[b] * H + h) * r->window * D;
+      const float* values = ring_v + (r->slots[b] * H + h) * r->window * D;
+      float top = -INFINITY;
+      for (long s = 0; s < S; ++s) {  // a place not written yet (its position would be < 0) is masked
+        const long position = r->positions[b], distance = ((position - s) % r->window + r->window) % r->window;
+        float score = -INFINITY;
+        if (distance <= position) score = dot(qh, keys + s * D, D) * scale;
+        top = std::max(top, p[s] = score);
+      }
+      for (long j = 0; j < K; ++j) {
+        float score = -INFINITY;
+        if (valid[b * K + j]) score = dot(qh, gk + entry_offset(r, b, idx[b * K + j], HD) + h * D, D) * scale;
+        top = std::max(top, p[S + j] = score);
+      }
+      float total = 0.0f;
+      for (long i = 0; i < S + K; ++i) total += (p[i] = std::exp(p[i] - top));
+      float* o = out.data() + b * HD + h * D;
+      for (long s = 0; s < S; ++s) {
+        const float weight = p[s] / total;
+        for (long d = 0; d < D; ++d) o[d] += weight * values[s * D + d];
+      }
+      for (long j = 0; j < K; ++j) {
+        if (!valid[b * K + j]) continue;
+        const float weight = p[S + j] / total;
+        const float* value = gv + entry_offset(r, b, idx[b * K + j], HD) + h * D;
+        for (long d = 0; d < D; ++d) o[d] += weight * value[d];
       }
     }
   });
