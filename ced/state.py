@@ -313,7 +313,7 @@ class AttentionCache(Protocol):
         """The global K and V (B, T, k, H, D) of the entries idx (B, T, k) of each row."""
 
     def native_decode(self, positions: Tensor):
-        """This call's stages in native kernels (ced/native_decode.NativeDecode), or None where the cache has no
+        """This call as one native decode step (ced/native_decode.NativeDecode), or None where the cache has no
         native form: only the paged pool's decode steps have one."""
 
 

@@ -170,3 +170,46 @@ def test_attend_one_takes_positions_the_rows_share():
         got = kernels.attend_one(q, keys, values, key_pos, shared, 4, 0.25, None)
         each = kernels.attend_one(q, keys, values, key_pos, shared.expand(B, 1), 4, 0.25, None)
     assert torch.equal(got, each)
+
+
+class FixedCpus:
+    """FreeCpus's answer, fixed: `free` CPUs whatever others do."""
+
+    def __init__(self, free: int):
+        self.free = free
+
+    def threads(self, most: int, shared_ok: float = 0.25) -> int:
+        return max(1, min(most, self.free))
+
+
+def test_a_native_step_on_two_threads_is_one_thread_bit_for_bit(adapter_dirs, tiny_model):
+    """The kernels' second thread claims rows of attention (and parts of the larger products) as it comes free:
+    whichever thread ran a part, a step's logits and the rings it writes are the same bits."""
+    from ced import CEDEngine
+    from ced.batched import BatchedEngine
+
+    def run(threads: int):
+        engine = CEDEngine(tiny_model(), max_adapters=4, max_rank=8)
+        engine.adapters.load("A1", adapter_dirs["A1"])
+        batched = BatchedEngine(engine, page_entries=4, chunk_threads=2)
+        batched.free_cpus = FixedCpus(threads)
+        rows = []
+        for length in (40, 75, 9, 23):
+            rows.append(batched.open())
+            batched.prefill(rows[-1], torch.randint(0, 300, (length,), generator=torch.Generator().manual_seed(length))
+                            .tolist())
+        adapters = ["A1", None, "A1", None]
+        logits, _ = batched.replay(rows, adapters)
+        out = []
+        for _ in range(12):
+            logits = batched.step(rows, logits.argmax(-1).tolist(), adapters)
+            out.append(logits)
+        return torch.stack(out), batched.pool.stream.clone()
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the kernels take a second thread only while torch runs on one
+    try:
+        one, two = run(1), run(2)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
