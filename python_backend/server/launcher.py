@@ -55,13 +55,14 @@ class Ports:
 
     @classmethod
     def free(cls) -> "Ports":
-        """Three loopback ports nothing listens on now (tests and benchmarks run their own servers)."""
-        ports = []
-        for _ in range(3):
-            with socket.socket() as s:
+        """Three different loopback ports nothing listens on now (tests and benchmarks run their own servers). All
+        three stay bound until the last is chosen: a port released at once can be handed out again (a test's
+        server once got the same port for gRPC and metrics and could not start)."""
+        with contextlib.ExitStack() as held:
+            sockets = [held.enter_context(socket.socket()) for _ in range(3)]
+            for s in sockets:
                 s.bind(("127.0.0.1", 0))
-                ports.append(s.getsockname()[1])
-        return cls(*ports)
+            return cls(*(s.getsockname()[1] for s in sockets))
 
 
 def _wheel_root() -> Path:

@@ -50,3 +50,11 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
 
+
+
+def test_free_ports_are_three_different_ports():
+    """Chosen one after another and released at once, two of them could be the same port (a test's server once got
+    gRPC and metrics on one port and could not start)."""
+    for _ in range(200):
+        ports = Ports.free()
+        assert len({ports.http, ports.grpc, ports.metrics}) == 3, ports
