@@ -172,27 +172,19 @@ def test_attend_one_takes_positions_the_rows_share():
     assert torch.equal(got, each)
 
 
-class FixedCpus:
-    """FreeCpus's answer, fixed: `free` CPUs whatever others do."""
-
-    def __init__(self, free: int):
-        self.free = free
-
-    def threads(self, most: int, shared_ok: float = 0.25) -> int:
-        return max(1, min(most, self.free))
-
-
 def test_a_native_step_on_two_threads_is_one_thread_bit_for_bit(adapter_dirs, tiny_model):
-    """The kernels' second thread claims rows of attention (and parts of the larger products) as it comes free:
-    whichever thread ran a part, a step's logits and the rings it writes are the same bits."""
+    """The kernels' second thread claims rows of attention as it comes free (the tiny model's products are too small
+    to share; test_two_threads_give_the_same_bits covers theirs): whichever thread ran a row, a step's logits and
+    the rings it writes are the same bits."""
     from ced import CEDEngine
     from ced.batched import BatchedEngine
+    from test_batched import FreeCpusReading
 
     def run(threads: int):
         engine = CEDEngine(tiny_model(), max_adapters=4, max_rank=8)
         engine.adapters.load("A1", adapter_dirs["A1"])
         batched = BatchedEngine(engine, page_entries=4, chunk_threads=2)
-        batched.free_cpus = FixedCpus(threads)
+        batched.free_cpus = FreeCpusReading(threads)
         rows = []
         for length in (40, 75, 9, 23):
             rows.append(batched.open())

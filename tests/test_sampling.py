@@ -62,6 +62,13 @@ def test_a_draw_follows_the_probabilities_and_never_takes_an_impossible_token():
     assert draw(torch.tensor([0.0, 0.0, 1.0, 0.0]), generator) == 2
 
 
+def test_a_draw_rounded_up_to_the_total_takes_the_last_possible_token(monkeypatch):
+    from ced import engine
+
+    monkeypatch.setattr(engine.torch, "rand", lambda *args, **kw: torch.ones(1, dtype=kw.get("dtype")))
+    assert draw(torch.tensor([0.2, 0.5, 0.3, 0.0, 0.0])) == 2  # not 4 (probability 0), not past the end
+
+
 @pytest.mark.parametrize("values", [{"min_p": 1.5}, {"min_p": -0.1}, {"repetition_penalty": 0.0},
                                     {"repetition_penalty": math.inf}, {"presence_penalty": 2.5},
                                     {"frequency_penalty": -3.0}, {"min_tokens": -1}, {"stop_token_ids": (3, -1)}])
