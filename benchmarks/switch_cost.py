@@ -104,11 +104,12 @@ def tensor_bytes(obj) -> int:
     plain values count nothing."""
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
+    if callable(getattr(obj, "tensors", None)):  # the deepseek_v41 family's windows, stores, shared state
+        return sum(tensor_bytes(t) for t in obj.tensors())
     if isinstance(obj, dict):
         return sum(tensor_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(v) for v in obj if isinstance(v, (torch.Tensor, dict, list, tuple))
-                   or dataclasses.is_dataclass(v))
+        return sum(tensor_bytes(v) for v in obj)
     if dataclasses.is_dataclass(obj):
         return sum(tensor_bytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
     return 0

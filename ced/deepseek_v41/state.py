@@ -14,13 +14,13 @@ the family's state operations beside it under the `ced` family's names (`ced.fam
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from torch import Tensor
 
-from ..state import DeltaError, Selection, StateDelta, _cat_keep_last, _nbytes, dense
+from ..state import DeltaError, Selection, StateDelta, _nbytes, dense
 
 if TYPE_CHECKING:
     from .config import V41Config
@@ -29,41 +29,118 @@ if TYPE_CHECKING:
 PoolGroups = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
-@dataclass
-class LatentWindow:
-    """The latents (after RoPE) of one layer for the last `size` positions before the next query."""
+class Tail:
+    """A tensor (B, n, ...) that grows along dim 1, keeping its last `keep` positions (None: all), appended in place
+    into spare room: a decode step writes one position, O(1), where a concatenation copied the whole. A view it
+    handed out is never written afterwards (appends write only past the end of every view handed out, and a full
+    buffer is replaced, not reused; a tensor it is given is adopted without room, so never written either), so
+    copies of a state may share what they hold. `value` is the same tensor object until the tail changes."""
 
-    size: int
-    kv: Tensor | None = None  # (B, n, D), n <= size
+    def __init__(self, keep: int | None = None, value: Tensor | None = None):
+        self.keep = keep
+        self.set(value)
+
+    def set(self, value: Tensor | None) -> None:
+        self._buf, self._start, self._n, self._room, self._view = value, 0, 0 if value is None else value.shape[1], 0, value
+
+    @property
+    def value(self) -> Tensor | None:
+        if self._view is None and self._buf is not None:
+            self._view = self._buf[:, self._start: self._start + self._n]
+        return self._view
 
     def __len__(self) -> int:
-        return 0 if self.kv is None else self.kv.shape[1]
+        return self._n
+
+    def reserve(self, k: int, like: Tensor) -> None:
+        """Room for k more positions at the end, shaped and typed as `like` (B, k, ...) (a new buffer if needed)."""
+        if self._buf is not None and k <= self._room:
+            return
+        keep_n = self._n if self.keep is None else min(self._n, self.keep)
+        capacity = (2 * self.keep + k) if self.keep is not None else max(2 * (keep_n + k), 16)
+        buf = like.new_empty(like.shape[0], capacity, *like.shape[2:])
+        if keep_n:
+            buf[:, :keep_n] = self._buf[:, self._start + self._n - keep_n: self._start + self._n]
+        self._buf, self._start, self._n, self._room, self._view = buf, 0, keep_n, capacity - keep_n, None
+
+    def end(self) -> Tensor:
+        """The buffer from the first position held on (a native step writes position n, then calls `advance`)."""
+        return self._buf[:, self._start:]
+
+    def advance(self, k: int) -> None:
+        """k positions written past the end now belong to the tail (the oldest drop out past `keep`)."""
+        self._n, self._room, self._view = self._n + k, self._room - k, None
+        if self.keep is not None and self._n > self.keep:
+            self._start, self._n = self._start + self._n - self.keep, self.keep
+
+    def append(self, new: Tensor) -> None:
+        k = new.shape[1]
+        self.reserve(k, new)
+        self._buf[:, self._start + self._n: self._start + self._n + k] = new
+        self.advance(k)
+
+
+class LatentWindow:
+    """The latents (after RoPE) of one layer for the last `size` positions before the next query: `kv` (B, n, D),
+    n <= size, or None."""
+
+    def __init__(self, size: int, kv: Tensor | None = None):
+        self.size, self.tail = size, Tail(size, kv)
+
+    @property
+    def kv(self) -> Tensor | None:
+        return self.tail.value
+
+    @kv.setter
+    def kv(self, value: Tensor | None) -> None:
+        self.tail.set(value)
+
+    def __len__(self) -> int:
+        return len(self.tail)
 
     def append(self, kv: Tensor) -> None:
-        self.kv = _cat_keep_last(self.kv, kv, 1, self.size)
+        self.tail.append(kv)
+
+    def tensors(self) -> Iterator[Tensor]:
+        yield from () if self.kv is None else (self.kv,)
 
     def nbytes(self) -> int:
         return _nbytes(self.kv)
 
 
-@dataclass
 class LatentStore:
-    """One KV source's global KV: one entry per complete group of `ratio` positions, plus the partial group."""
+    """One KV source's global KV: one entry per complete group of `ratio` positions, plus the partial group.
+    `latent` (B, N, D) and `index_keys` (B, N, I) are rotated at each group's first position; `pending` (B, p, C),
+    p < ratio, holds the normalised inputs of the group not yet complete."""
 
-    ratio: int
-    latent: Tensor | None = None  # (B, N, D), rotated at each group's first position
-    index_keys: Tensor | None = None  # (B, N, I), rotated likewise
-    pending: Tensor | None = None  # (B, p, C) normalised inputs of the group not yet complete, p < ratio
+    def __init__(self, ratio: int, latent: Tensor | None = None, index_keys: Tensor | None = None,
+                 pending: Tensor | None = None):
+        self.ratio = ratio
+        self.latents, self.keys, self.inputs = Tail(None, latent), Tail(None, index_keys), Tail(None, pending)
+
+    latent = property(lambda self: self.latents.value)
+    index_keys = property(lambda self: self.keys.value)
+
+    @property
+    def pending(self) -> Tensor | None:
+        return self.inputs.value
+
+    @pending.setter
+    def pending(self, value: Tensor | None) -> None:
+        self.inputs.set(value)
 
     @property
     def n_entries(self) -> int:
-        return 0 if self.latent is None else self.latent.shape[1]
+        return len(self.latents)
 
     def add_entries(self, latent: Tensor, index_keys: Tensor) -> None:
         if latent.shape[1] == 0:
             return
-        cat = lambda old, new: new if old is None else torch.cat([old, new], dim=1)  # noqa: E731
-        self.latent, self.index_keys = cat(self.latent, latent), cat(self.index_keys, index_keys)
+        self.latents.append(latent)
+        self.keys.append(index_keys)
+
+    def tensors(self) -> Iterator[Tensor]:
+        yield from (t for t in (self.latent, self.index_keys, self.pending) if t is not None)
 
     def nbytes(self) -> int:
         return _nbytes(self.latent, self.index_keys, self.pending)
@@ -123,18 +200,34 @@ class V41Cache:
         return self.stores[source].latent[rows, idx]
 
 
-@dataclass
 class V41SharedState:
     """Adapter-free: windows of layers 0..E, every source's store, and for the last W positions the first decoder
-    layer's post-attention streams, its lagged pre-mix, top-k and candidate pool (replay starts from these)."""
+    layer's post-attention streams `stream` (1, n<=W, hc, C), its attention-site pre-mix `pre` (1, n, hc) (which
+    its FFN collapses with), its top-k `selection` and candidate `pool` for the same positions (replay starts from
+    these)."""
 
-    windows: dict[int, LatentWindow]
-    stores: dict[int, LatentStore]
-    stream: Tensor | None = None  # (1, n<=W, hc, C)
-    pre: Tensor | None = None  # (1, n, hc): layer E's attention-site pre-mix, which its FFN collapses with
-    selection: Selection | None = None  # layer E's top-k for the same n positions
-    pool: Selection | None = None  # layer E's candidate blocks for the same n positions
-    tokens: list[int] = field(default_factory=list)
+    def __init__(self, windows: dict[int, LatentWindow], stores: dict[int, LatentStore], stream: Tensor | None = None,
+                 pre: Tensor | None = None, selection: Selection | None = None, pool: Selection | None = None,
+                 tokens: list[int] | None = None, window: int | None = None):
+        self.windows, self.stores = windows, stores
+        keep = window or next(iter(windows.values())).size
+        self.tails = {name: Tail(keep) for name in ("stream", "pre", *_CHOICE_TAILS)}
+        self.stream, self.pre, self.selection, self.pool = stream, pre, selection, pool
+        self.tokens = [] if tokens is None else tokens
+
+    stream = property(lambda self: self.tails["stream"].value, lambda self, v: self.tails["stream"].set(v))
+    pre = property(lambda self: self.tails["pre"].value, lambda self, v: self.tails["pre"].set(v))
+
+    def _choice(self, name: str) -> Selection | None:
+        idx = self.tails[f"{name}.idx"].value
+        return None if idx is None else Selection(idx, self.tails[f"{name}.valid"].value)
+
+    def _set_choice(self, name: str, choice: Selection | None) -> None:
+        self.tails[f"{name}.idx"].set(None if choice is None else choice.idx)
+        self.tails[f"{name}.valid"].set(None if choice is None else choice.valid)
+
+    selection = property(lambda self: self._choice("selection"), lambda self, c: self._set_choice("selection", c))
+    pool = property(lambda self: self._choice("pool"), lambda self, c: self._set_choice("pool", c))
 
     @property
     def length(self) -> int:
@@ -142,24 +235,31 @@ class V41SharedState:
 
     def keep(self, stream: Tensor, pre: Tensor, selection: Selection | None, pool: Selection | None,
              window: int) -> None:
-        """Append one call's layer-E outputs, trimmed to the last `window` positions."""
-        self.stream = _cat_keep_last(self.stream, stream, 1, window)
-        self.pre = _cat_keep_last(self.pre, pre, 1, window)
-        self.selection = _keep_choice(self.selection, selection, window)
-        self.pool = _keep_choice(self.pool, pool, window)
+        """Append one call's layer-E outputs, keeping the last `window` positions (the tails' own bound)."""
+        self.tails["stream"].append(stream)
+        self.tails["pre"].append(pre)
+        for name, new in (("selection", selection), ("pool", pool)):
+            if new is None:  # no entries yet at these positions: keep the previous choice, if any
+                continue
+            old = self._choice(name)
+            if old is not None and old.idx.shape[-1] != new.idx.shape[-1]:
+                raise ValueError("a choice changed its width between calls")
+            self.tails[f"{name}.idx"].append(new.idx)
+            self.tails[f"{name}.valid"].append(new.valid)
+
+    def tensors(self) -> Iterator[Tensor]:
+        """Every tensor held: windows, stores, then stream, pre and the choices."""
+        for part in (*self.windows.values(), *self.stores.values()):
+            yield from part.tensors()
+        yield from (t for t in (self.stream, self.pre) if t is not None)
+        for choice in (self.selection, self.pool):
+            yield from () if choice is None else (choice.idx, choice.valid)
 
     def nbytes(self) -> int:
-        choices = sum(c.nbytes() for c in (self.selection, self.pool) if c is not None)
-        return (sum(w.nbytes() for w in self.windows.values()) + sum(s.nbytes() for s in self.stores.values())
-                + _nbytes(self.stream, self.pre) + choices + 8 * len(self.tokens))
+        return sum(_nbytes(t) for t in self.tensors()) + 8 * len(self.tokens)
 
 
-def _keep_choice(old: Selection | None, new: Selection | None, window: int) -> Selection | None:
-    if new is None:  # no entries yet at these positions: keep the previous choice, if any
-        return old
-    if old is not None and old.idx.shape[-1] != new.idx.shape[-1]:
-        raise ValueError("a choice changed its width between calls")
-    return new.keep_last(old, window)
+_CHOICE_TAILS = ("selection.idx", "selection.valid", "pool.idx", "pool.valid")
 
 
 @dataclass
@@ -190,14 +290,15 @@ class V41ConversationState:
         return {"shared": self.shared.nbytes(), "adapter_bound": self.bound.nbytes()}
 
     def tensors(self) -> Iterator[Tensor]:
-        """Every tensor the state holds (what a byte count that counts shared storage once walks)."""
+        """Every tensor the state holds (what a byte count that counts shared storage once walks): the shared
+        windows, then the bound ones, the stores, stream, pre and the choices."""
         shared = self.shared
         yield from (w.kv for w in [*shared.windows.values(), *self.bound.windows.values()] if w.kv is not None)
         for store in shared.stores.values():
-            yield from (t for t in (store.latent, store.index_keys, store.pending) if t is not None)
+            yield from store.tensors()
         yield from (t for t in (shared.stream, shared.pre) if t is not None)
         for choice in (shared.selection, shared.pool):
-            yield from (() if choice is None else (choice.idx, choice.valid))
+            yield from () if choice is None else (choice.idx, choice.valid)
 
 
 def empty_state(config: V41Config) -> V41ConversationState:
