@@ -111,9 +111,12 @@ class LoRALinear(nn.Module):
         self.rows = RowAdapters() if rows is None else rows
         self._stacked: dict[tuple[str, ...], tuple[Tensor, Tensor]] = {}  # names -> their A and B, stacked
 
+    changes = 0  # adapters installed or removed in any instance: what a native step's packed LoRA depends on
+
     def changed(self) -> None:
-        """An adapter was installed or removed: the stacked copies are stale."""
+        """An adapter was installed or removed: the stacked copies (and the native step's) are stale."""
         self._stacked.clear()
+        LoRALinear.changes += 1
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.base[0](x)

@@ -23,6 +23,7 @@ from ..state import Selection
 from .adapters import V41AdapterRegistry, V41AdapterSet
 from .batch import step_rows
 from .model import DeepseekV41ForCausalLM, SharedOutput
+from .native import V41Plan
 from .state import V41AdapterState, V41ConversationState, empty_state
 
 
@@ -34,6 +35,7 @@ class V41Engine:
         self.prefill_chunk = prefill_chunk
         self.adapter_set = V41AdapterSet(model)  # wraps every module the placement rule allows
         self.adapters = V41AdapterRegistry(self.adapter_set, max_adapters, max_rank)
+        self.native = V41Plan(model, self.adapter_set)  # decode steps in one native call where it can take them
         self.stats = EngineStats()
 
     # -- conversations --------------------------------------------------------------------------------------
@@ -110,10 +112,14 @@ class V41Engine:
         """Append one token (both stages) under the adapter whose windows are current; returns logits (V,)."""
         tokens = self._check_step(state, token, adapter)
         bound = state.bound
-        with self._using(adapter):
-            out = self._shared_stage(state, tokens)
-            hidden = self.model.run_decoder(out, state.length - 1, bound.windows, state.shared.stores)
-            logits = self.model.logits(hidden)[0, -1]
+        logits = self.native.step([state], tokens, [adapter])
+        if logits is not None:
+            logits = logits[0]
+        else:
+            with self._using(adapter):
+                out = self._shared_stage(state, tokens)
+                hidden = self.model.run_decoder(out, state.length - 1, bound.windows, state.shared.stores)
+                logits = self.model.logits(hidden)[0, -1]
         bound.length = state.length
         self.stats.decoded_tokens += 1
         return logits
@@ -129,8 +135,10 @@ class V41Engine:
             self.adapters.slot_of(adapter)  # an unknown adapter is named as such, before any row is touched
         for state, token, adapter in zip(states, tokens, adapters, strict=True):
             self._check_step(state, token, adapter)
-        with self.adapter_set.use_rows(adapters):
-            logits = self.model.logits(step_rows(self.model, states, tokens))[:, -1]  # (B, V)
+        logits = self.native.step(states, tokens, adapters)  # (B, V)
+        if logits is None:
+            with self.adapter_set.use_rows(adapters):
+                logits = self.model.logits(step_rows(self.model, states, tokens))[:, -1]
         for state in states:
             state.bound.length = state.length
         self.stats.decoded_tokens += len(states)

@@ -63,9 +63,12 @@ class Tail:
             buf[:, :keep_n] = self._buf[:, self._start + self._n - keep_n: self._start + self._n]
         self._buf, self._start, self._n, self._room, self._view = buf, 0, keep_n, capacity - keep_n, None
 
-    def end(self) -> Tensor:
-        """The buffer from the first position held on (a native step writes position n, then calls `advance`)."""
-        return self._buf[:, self._start:]
+    def place(self, like: Tensor, at_end: bool = False) -> int:
+        """The address of the first position held (`at_end`: of position n), with room reserved for one more at
+        position n (a native step writes it there, then the caller calls `advance(1)`)."""
+        self.reserve(1, like)
+        at = self._start + (self._n if at_end else 0)
+        return self._buf.data_ptr() + at * self._buf.stride(1) * self._buf.element_size()
 
     def advance(self, k: int) -> None:
         """k positions written past the end now belong to the tail (the oldest drop out past `keep`)."""

@@ -31,7 +31,8 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("decode.cpp", "v41.cpp")]  # one library
+HEADER = Path(__file__).with_name("kernels.h")
 BUILD_ROOT = Path(__file__).resolve().parents[2] / "artifacts" / "native"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC", "-std=gnu++20", "-pthread"]
 # Up to this many rows a decode step takes the kernels, above it MKL's GEMM, whose blocking wins once the product
@@ -51,13 +52,13 @@ def _cpu_name() -> str:
 
 
 def _build(compiler: str) -> Path:
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(),
-                                     _cpu_name().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([*(path.read_bytes() for path in [*SOURCES, HEADER]), " ".join(FLAGS).encode(),
+                                     compiler.encode(), _cpu_name().encode()])).hexdigest()[:16]
     target = BUILD_ROOT / key / "libdecode.so"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         scratch = target.with_name(f"{target.name}.tmp{os.getpid()}")
-        subprocess.run([compiler, *FLAGS, "-o", str(scratch), str(SOURCE)], check=True, capture_output=True,
+        subprocess.run([compiler, *FLAGS, "-o", str(scratch), *map(str, SOURCES)], check=True, capture_output=True,
                        text=True)
         os.replace(scratch, target)  # atomic: processes building at once each finish with a whole file
     return target
@@ -67,16 +68,17 @@ class LinearSpec(ctypes.Structure):
     """decode.cpp's `Linear`: a packed weight and, where the linear has LoRA slots, the slots' packed A and B."""
 
     _fields_ = [("panels", _ptr), ("in_features", _c_long), ("out_features", _c_long), ("a", _ptr),
-                ("a_stride", _c_long), ("b", _ptr), ("b_stride", _c_long), ("rank", _c_long)]
+                ("a_stride", _c_long), ("b", _ptr), ("b_stride", _c_long), ("rank", _c_long), ("used", _ptr)]
 
     @classmethod
     def of(cls, panels: Tensor, in_features: int, out_features: int,
-           lora: tuple[Tensor, Tensor, int] | None = None) -> "LinearSpec":
-        """The tensors must stay alive and in place while the spec is used (the modules own them)."""
+           lora: tuple[Tensor, Tensor, int] | None = None, used: Tensor | None = None) -> "LinearSpec":
+        """The tensors must stay alive and in place while the spec is used (the modules own them). `used` (bool,
+        one per slot): the slots whose adapter adapts this linear (None: all of them)."""
         a, b, rank = lora or (None, None, 0)
         return cls(panels.data_ptr(), in_features, out_features, a.data_ptr() if a is not None else None,
                    a.shape[1] if a is not None else 0, b.data_ptr() if b is not None else None,
-                   b.shape[1] if b is not None else 0, rank)
+                   b.shape[1] if b is not None else 0, rank, used.data_ptr() if used is not None else None)
 
 
 class DecodeRows(ctypes.Structure):
@@ -109,6 +111,45 @@ class StepModel(ctypes.Structure):
                 ("final_eps", ctypes.c_float), ("head", ctypes.POINTER(LinearSpec))]
 
 
+MAX_STORES = 8  # v41.cpp's: the KV sources a deepseek_v41 model may have
+
+
+class V41Layer(ctypes.Structure):
+    """v41.cpp's `V41Layer`: one deepseek_v41 layer's weights (attention site and FFN site) as the kernel reads them."""
+
+    _fields_ = [("attn_norm", _ptr), *((name, ctypes.POINTER(LinearSpec)) for name in ("wq_a", "wq_b", "wkv", "wo_a",
+                                                                                         "wo_b")),
+                ("q_norm", _ptr), ("kv_norm", _ptr), ("sink", _ptr), ("rope", _c_int), ("own_store", _c_int),
+                ("read_store", _c_int), ("ratio", _c_int), ("c_wkv", ctypes.POINTER(LinearSpec)),
+                ("c_wgate", ctypes.POINTER(LinearSpec)), ("c_norm", _ptr), ("i_wk", ctypes.POINTER(LinearSpec)),
+                ("i_k_norm", _ptr), ("i_wq_b", ctypes.POINTER(LinearSpec)), ("i_weights", ctypes.POINTER(LinearSpec)),
+                ("uses_candidates", _c_int), ("candidate_source", _c_int), ("hc_attn_fn", _ptr),
+                ("hc_attn_base", _ptr), ("hc_attn_scale", _ptr), ("ffn_norm", _ptr), ("gate_w", _ptr),
+                ("gate_bias", _ptr), ("experts", ctypes.POINTER(LinearSpec)), ("shared", ctypes.POINTER(LinearSpec)),
+                ("hc_ffn_fn", _ptr), ("hc_ffn_base", _ptr), ("hc_ffn_scale", _ptr)]
+
+
+class V41Model(ctypes.Structure):
+    """v41.cpp's `V41Model`: a deepseek_v41 model's sizes and shared weights."""
+
+    _fields_ = [*((name, _c_long) for name in ("C", "H", "D", "R", "Q", "G", "hc", "vocab", "window", "index_heads",
+                                               "index_dim", "index_topk", "cand_blocks", "cand_block_size",
+                                               "n_experts", "top_experts")),
+                ("store_ratio", _c_long * MAX_STORES),
+                *((name, _c_int) for name in ("n_layers", "decoder_start", "sinkhorn_iters", "scoring", "norm_topk")),
+                *((name, ctypes.c_float) for name in ("eps", "hc_eps", "routed_scale", "swiglu_limit")),
+                ("inv_freq", _ptr * 2), ("embed", _ptr), ("final_norm", _ptr), ("head", ctypes.POINTER(LinearSpec)),
+                ("layers", ctypes.POINTER(V41Layer))]
+
+
+class V41Rows(ctypes.Structure):
+    """v41.cpp's `V41Rows`: the rows of one deepseek_v41 decode step and where their state lies."""
+
+    _fields_ = [("B", _c_int), *((name, _ptr) for name in (
+        "positions", "lora_slots", "windows", "window_n", "latents", "keys", "n_entries", "pending", "stream", "pre",
+        "sel_idx", "sel_valid", "pool_idx", "pool_valid"))]
+
+
 def _load() -> ctypes.CDLL | None:
     if os.environ.get("MOL2_NATIVE", "1") == "0":
         return None
@@ -132,6 +173,7 @@ def _load() -> ctypes.CDLL | None:
         "attend_one": (None, [_ptr, _c_int, _c_long, _c_long, _ptr, _ptr, _c_long, _c_long, _c_long, _ptr,
                               _c_long, _ptr, _c_long, _ptr, _ptr, _ptr, _c_long, ctypes.c_float, _ptr]),
         "decode_step": (_c_int, [rows, ctypes.POINTER(StepModel), _ptr, _ptr]),
+        "v41_decode_step": (_c_int, [ctypes.POINTER(V41Rows), ctypes.POINTER(V41Model), _ptr, _ptr]),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(lib, name)

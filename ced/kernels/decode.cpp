@@ -13,6 +13,8 @@
 // Built by ced/kernels/__init__.py with the host's compiler for the host's CPU (-O3 -march=native).
 #include <unistd.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -24,11 +26,10 @@
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned access to 16 floats
-
-inline v16 load(const float* p) { return *(const v16u*)p; }
-inline void store(float* p, v16 v) { *(v16u*)p = v; }
+using kernels::dot;
+using kernels::load;
+using kernels::store;
+using kernels::v16;
 
 // Rows [0, MR) of x against one panel of 16*NV columns starting at column o0.
 template <int MR, int NV>
@@ -63,18 +64,6 @@ void panel_rows(const float* x, long ldx, int M, const float* panel, long in, lo
 }
 
 long panel_width(long left) { return left >= 64 ? 64 : left >= 16 ? 16 : left; }
-
-// sum_i a[i] * b[i]: 16 lanes of partial sums while 16 remain, added lane by lane, then the rest in order (a fixed
-// order for a given n: the same bits for every call).
-inline float dot(const float* a, const float* b, long n) {
-  v16 acc = {};
-  long i = 0;
-  for (; i + 16 <= n; i += 16) acc += load(a + i) * load(b + i);
-  float sum = 0.0f;
-  for (int lane = 0; lane < 16; ++lane) sum += acc[lane];
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
 
 // Columns [o_begin, o_end) of y (+)= x @ W, o_begin a multiple of 64 (the 64-wide panels come first).
 void gemm_columns(const float* x, long ldx, int M, const float* packed, long in, long out, float* y, long ldy,
@@ -182,6 +171,10 @@ void gemm_split(const float* x, long ldx, int M, const float* packed, long in, l
 
 }  // namespace
 
+void kernels::parallel_parts(long n, bool worth_it, void (*run)(void*, long), void* f) {
+  parallel(n, worth_it, [&](long i) { run(f, i); });
+}
+
 extern "C" {
 
 // W (in, out), row-major, into `packed` (in * out floats).
@@ -201,31 +194,36 @@ void gemm_rows(const float* x, long ldx, int M, const float* packed, long in, lo
   gemm_split(x, ldx, M, packed, in, out, y, ldy, accumulate);
 }
 
-// A linear of the model: its packed weight and, where it has LoRA slots, the slots' packed A (in, rank) and B
-// (rank, out), a_stride / b_stride floats apart (a == nullptr: none). Mirrored by ced/kernels LinearSpec.
-struct Linear {
-  const float* panels;
-  long in, out;
-  const float* a;
-  long a_stride;
-  const float* b;
-  long b_stride;
-  long rank;
-};
-
+// A linear of the model (kernels.h): its packed weight and, where it has LoRA slots, the slots' packed A (in, rank)
+// and B (rank, out), a_stride / b_stride floats apart (a == nullptr: none).
 enum { MAX_RANK = 1024 };
 
 // y[m] = x[m] @ W, plus each row's own LoRA where `slots` is given: (x[m] @ A[s]) @ B[s], s = slots[m] (a row of
-// slot -1 keeps the base's bits).
+// slot -1, or of a slot whose adapter leaves this linear alone, keeps the base's bits). The rows of one slot go
+// together, so each slot's A and B are read once; a row's bits are those it has alone.
 int linear(const Linear* L, const float* x, long ldx, int M, const long* slots, float* y, long ldy) {
   if (L->rank > MAX_RANK) return -1;
   gemm_rows(x, ldx, M, L->panels, L->in, L->out, y, ldy, 0);
   if (!slots || !L->a) return 0;
-  float down[MAX_RANK];
+  const long in = L->in, out = L->out, rank = L->rank;
+  std::vector<char> done(M, 0);
+  std::vector<int> rows;
+  std::vector<float> xs, ys, down;
   for (int m = 0; m < M; ++m) {
-    if (slots[m] < 0) continue;
-    gemm_rows(x + m * ldx, ldx, 1, L->a + slots[m] * L->a_stride, L->in, L->rank, down, L->rank, 0);
-    gemm_rows(down, L->rank, 1, L->b + slots[m] * L->b_stride, L->rank, L->out, y + m * ldy, ldy, 1);
+    const long slot = slots[m];
+    if (done[m] || slot < 0 || (L->used && !L->used[slot])) continue;
+    rows.clear();
+    for (int j = m; j < M; ++j)
+      if (!done[j] && slots[j] == slot) rows.push_back(j), done[j] = 1;
+    const int n = rows.size();
+    xs.resize(n * in), ys.resize(n * out), down.resize(n * rank);
+    for (int i = 0; i < n; ++i) {
+      std::memcpy(xs.data() + i * in, x + rows[i] * ldx, in * sizeof(float));
+      std::memcpy(ys.data() + i * out, y + rows[i] * ldy, out * sizeof(float));
+    }
+    gemm_rows(xs.data(), in, n, L->a + slot * L->a_stride, in, rank, down.data(), rank, 0);
+    gemm_rows(down.data(), rank, n, L->b + slot * L->b_stride, rank, out, ys.data(), out, 1);
+    for (int i = 0; i < n; ++i) std::memcpy(y + rows[i] * ldy, ys.data() + i * out, out * sizeof(float));
   }
   return 0;
 }

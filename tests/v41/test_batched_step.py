@@ -1,14 +1,19 @@
-"""V41Engine.step_rows (ced/deepseek_v41/batch.py) steps many conversations in one pass of the model: each row's
-logits and state equal its own serial `step`'s within float tolerance (RTOL = 1e-5 of the largest logit), whatever
-rows, lengths and adapters share the batch; bad rows are refused before any row is touched; RowEngine uses it."""
+"""V41Engine.step_rows steps many conversations at once, in one native call (ced/deepseek_v41/native.py) or, where
+the kernels are off, in one pass of the torch model (ced/deepseek_v41/batch.py): each row's logits and state equal
+its own serial torch `step`'s within float tolerance (RTOL = 1e-5 of the largest logit), with the same top-k and
+pool choices, whatever rows, lengths and adapters share the batch; bad rows are refused before any row is touched;
+RowEngine uses it."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import contextlib
+
 import pytest
 import torch
 
+from ced import kernels
 from ced.adapters import UnknownAdapterError
 from ced.deepseek_v41.engine import V41Engine
 from ced.deepseek_v41.model import DeepseekV41ForCausalLM
@@ -80,13 +85,20 @@ def assert_close_logits(batched, serial) -> None:
         assert (ours - theirs).abs().max().item() <= RTOL * scale, f"row {row}"
 
 
-def run_both(engine, states, adapters, n_steps, seed=100):
-    """n_steps of step_rows on `states` and of serial steps on copies; asserts logits and states agree."""
+def torch_path():
+    return kernels.turned_off()
+
+
+def run_both(engine, states, adapters, n_steps, seed=100, native=True):
+    """n_steps of step_rows on `states` (native, or torch's batched pass) and of serial torch steps on copies;
+    asserts logits and states agree."""
     serial = [copy_state(state) for state in states]
     for t in range(n_steps):
         next_tokens = tokens(seed + t, len(states))
-        batched_logits = engine.step_rows(states, next_tokens, adapters)
-        serial_logits = torch.stack([engine.step(s, tok, a) for s, tok, a in zip(serial, next_tokens, adapters)])
+        with contextlib.nullcontext() if native else torch_path():
+            batched_logits = engine.step_rows(states, next_tokens, adapters)
+        with torch_path():
+            serial_logits = torch.stack([engine.step(s, tok, a) for s, tok, a in zip(serial, next_tokens, adapters)])
         assert batched_logits.shape == serial_logits.shape
         assert_close_logits(batched_logits, serial_logits)
     for ours, theirs in zip(states, serial):
@@ -94,12 +106,13 @@ def run_both(engine, states, adapters, n_steps, seed=100):
     return serial
 
 
-def test_rows_of_every_length_and_adapter_match_serial_steps(engine):
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_rows_of_every_length_and_adapter_match_serial_steps(engine, native):
     """Lengths below, at and past the window (8) and the candidate pool, odd and even (a pending ratio-2 group or
     not), each under its own adapter or none: 12 steps in one batch give each row its serial logits and state."""
     lengths = [1, 2, 5, 8, 9, 17, 30, 31]
     adapters = [None, "all", "experts", "attn", "all", None, "attn", "experts"]
-    run_both(engine, open_rows(engine, lengths, adapters), adapters, n_steps=12)
+    run_both(engine, open_rows(engine, lengths, adapters), adapters, n_steps=12, native=native)
 
 
 @pytest.mark.parametrize("adapter", [None, "all"])
@@ -109,27 +122,31 @@ def test_a_batch_of_one_adapter_matches_serial_steps(engine, adapter):
     run_both(engine, open_rows(engine, [3, 12, 20, 7], adapters), adapters, n_steps=6)
 
 
-def test_rows_before_their_first_global_entry(tmp_path, tiny_v41, random_adapter):
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_rows_before_their_first_global_entry(tmp_path, tiny_v41, random_adapter, native):
     """Encoder source at ratio 4: in one batch a row whose store has no entry yet (no global attention, no
     top-k) beside rows that have some, until it gets its first."""
     config = dataclasses.replace(tiny_v41, compress_ratios=(0, 4, 4, 4, 1, 1, 1, 1))
     engine = make_engine(config, tmp_path, random_adapter)
     adapters = ["all", None, "experts"]
-    run_both(engine, open_rows(engine, [1, 2, 14], adapters), adapters, n_steps=5)
+    run_both(engine, open_rows(engine, [1, 2, 14], adapters), adapters, n_steps=5, native=native)
 
 
-def test_a_row_without_adapter_is_unaffected_by_its_neighbours(engine):
-    """Row 0 runs the base model; its neighbours' adapters (every module, or none) do not move its logits beyond
-    float tolerance of the same row stepped alone."""
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_a_row_without_adapter_is_unaffected_by_its_neighbours(engine, native):
+    """Row 0 runs the base model; its neighbours' adapters (every module, or none) do not move its logits: the
+    native step gives it the same bits as the row stepped alone, the torch pass the same within float tolerance."""
+    same = torch.equal if native else (lambda a, b: assert_close_logits([a], [b]) is None)
     outs = []
     for neighbours in (["all", "experts", "attn"], [None, None, None]):
         adapters = [None, *neighbours]
         states = open_rows(engine, [11, 6, 19, 4], adapters)
         alone = copy_state(states[0])
-        batched = engine.step_rows(states, [42, 7, 8, 9], adapters)[0]
-        assert_close_logits([batched], [engine.step(alone, 42, None)])
+        with contextlib.nullcontext() if native else torch_path():
+            batched = engine.step_rows(states, [42, 7, 8, 9], adapters)[0]
+            assert same(batched, engine.step(alone, 42, None))
         outs.append(batched)
-    assert_close_logits([outs[0]], [outs[1]])
+    assert same(outs[0], outs[1])
 
 
 def test_bad_rows_are_refused_before_any_row_is_touched(engine):
@@ -150,9 +167,14 @@ def test_bad_rows_are_refused_before_any_row_is_touched(engine):
     run_both(engine, states, adapters, n_steps=2)  # and the rows still step
 
 
-def test_row_engine_steps_the_batch_in_one_pass(engine):
-    """The scheduler's RowEngine drives V41Engine: a step of 3 rows is one pass of the model (its first layer's
-    attention runs once), with the serial logits."""
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_row_engine_steps_the_batch_in_one_pass(engine, native, monkeypatch):
+    """The scheduler's RowEngine drives V41Engine: a step of 3 rows is one native call (no torch layer runs) or,
+    with the kernels off, one pass of the model (its first layer's attention runs once), with the serial logits."""
+    calls = []
+    if native:
+        library, step = kernels.library(), kernels.library().v41_decode_step
+        monkeypatch.setattr(library, "v41_decode_step", lambda *args: calls.append(1) or step(*args))
     rows_engine = RowEngine(engine)
     adapters = ["all", None, "attn"]
     rows = [rows_engine.open() for _ in adapters]
@@ -163,8 +185,10 @@ def test_row_engine_steps_the_batch_in_one_pass(engine):
     passes = []
     hook = engine.model.layers[0].attn.register_forward_hook(lambda *args: passes.append(1))
     try:
-        logits = rows_engine.step(rows, [5, 6, 7], adapters)
+        with contextlib.nullcontext() if native else torch_path():
+            logits = rows_engine.step(rows, [5, 6, 7], adapters)
     finally:
         hook.remove()
-    assert len(passes) == 1
-    assert_close_logits(logits, [engine.step(s, tok, a) for s, tok, a in zip(serial, [5, 6, 7], adapters)])
+    assert (len(calls), len(passes)) == ((1, 0) if native else (0, 1))
+    with torch_path():
+        assert_close_logits(logits, [engine.step(s, tok, a) for s, tok, a in zip(serial, [5, 6, 7], adapters)])

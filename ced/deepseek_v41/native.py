@@ -1,0 +1,226 @@
+"""A deepseek_v41 decode step in one native call (ced/kernels/v41.cpp), on the conversations' own state in place.
+
+A V4.1 layer for one token per row is ~200 small torch operations (two mHC sites of which Sinkhorn-Knopp alone is
+~80, the low-rank query, the latent and its window, the compressor, the indexer's scores and top-k, the sink
+softmax, the grouped output, the gate and an expert loop); on the demo the torch step costs ~18 ms a token in
+dispatch where its arithmetic is well under one. Here `V41Engine.step_rows` (and `step`) is one call of
+`v41_decode_step` over a `V41Model` (pointers to packed weights and each row's LoRA, built once per set of loaded
+adapters by `V41Plan`) and a `V41Rows` (each row's windows, stores, pending group and replay tails, at places the
+tails reserve: `ced.deepseek_v41.state.Tail`). The arithmetic is the model's in another summation order: a row's
+logits agree with the torch step's to float tolerance, its state likewise, and its top-k and expert choices are
+the same; a row's result does not depend on the other rows of the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor, nn
+
+from .. import kernels
+from .adapters import LoRALinear, V41AdapterSet
+from .model import DeepseekV41ForCausalLM
+from .state import V41ConversationState
+
+SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
+
+
+class V41Plan:
+    """A model's weights as the kernel reads them: base panels packed once, and for each set of loaded adapters
+    (their order is the rows' slot numbers) the V41Model with each linear's LoRA slots."""
+
+    def __init__(self, model: DeepseekV41ForCausalLM, adapter_set: V41AdapterSet):
+        self.model, self.adapter_set, self.config = model, adapter_set, model.config
+        config = self.config
+        self.native = (len(config.kv_source_layer_ids) <= kernels.MAX_STORES and config.scoring_func in SCORING
+                       and all(p.dtype == torch.float32 and p.device.type == "cpu" for p in model.parameters())
+                       and kernels.available(torch.float32))
+        self.stores = {layer: i for i, layer in enumerate(config.kv_source_layer_ids)}
+        self._panels: dict[int, list[Tensor]] = {}  # id(module) -> its panels (one per group)
+        self._variant: tuple | None = None  # (key, V41Model, what it points into)
+        f, long_, bool_, c = torch.float32, torch.long, torch.bool, config
+        self.like = {  # (1, 1, ...) of each tail's shape and dtype: what a tail makes room after
+            "latent": torch.empty(1, 1, c.head_dim, dtype=f), "key": torch.empty(1, 1, c.index_head_dim, dtype=f),
+            "input": torch.empty(1, 1, c.hidden_size, dtype=f),
+            "stream": torch.empty(1, 1, c.hc_mult, c.hidden_size, dtype=f), "pre": torch.empty(1, 1, c.hc_mult, dtype=f),
+            "sel_idx": torch.empty(1, 1, c.index_topk, dtype=long_),
+            "sel_valid": torch.empty(1, 1, c.index_topk, dtype=bool_),
+            "pool_idx": torch.empty(1, 1, c.candidate_topk_blocks, dtype=long_),
+            "pool_valid": torch.empty(1, 1, c.candidate_topk_blocks, dtype=bool_)}
+        self.no_inputs = torch.empty(1, 0, c.hidden_size, dtype=f)  # a store's pending group once it completes
+
+    def model_struct(self) -> kernels.V41Model | None:
+        if not self.native:
+            return None
+        names = tuple(self.adapter_set.names)
+        key = (names, LoRALinear.changes)
+        if self._variant is None or self._variant[0] != key:
+            rank = max((adapter.rank for adapter in self.adapter_set.names.values()), default=1)
+            self._variant = (key, *self._build(names, rank))
+        return self._variant[1]
+
+    # -- building ---------------------------------------------------------------------------------------------
+
+    def _specs(self, module: nn.Module, names: tuple[str, ...], rank: int, keep: list) -> ctypes.Array:
+        """One LinearSpec per group of `module` (one for a plain linear), with the LoRA slots of `names` where
+        one of them adapts it."""
+        groups = getattr(module, "groups", None) or 1
+        weight = module.weight.detach()
+        out = weight.shape[0] // groups
+        if id(module) not in self._panels:
+            self._panels[id(module)] = [kernels.pack(weight[g * out: (g + 1) * out].t()) for g in range(groups)]
+        panels = self._panels[id(module)]
+        adapters = getattr(module, "adapters", {})
+        lora = [adapters.get(name) for name in names]
+        specs = []
+        for g in range(groups):
+            if not any(lora):
+                specs.append(kernels.LinearSpec.of(panels[g], weight.shape[1], out))
+                continue
+            a = torch.zeros(len(names), weight.shape[1] * rank)  # slot i: A^T (in, rank) packed, zeros where unused
+            b = torch.zeros(len(names), rank * out)  # slot i: B_g^T (rank, out) packed
+            for i, pair in enumerate(lora):
+                if pair is not None:
+                    a_i, b_i = pair[0].float(), pair[1].float()[g * out: (g + 1) * out]
+                    padded_a = torch.zeros(weight.shape[1], rank)
+                    padded_a[:, : a_i.shape[0]] = a_i.t()
+                    padded_b = torch.zeros(rank, out)
+                    padded_b[: a_i.shape[0]] = b_i.t()
+                    a[i], b[i] = kernels.pack(padded_a), kernels.pack(padded_b)
+            used = torch.tensor([pair is not None for pair in lora])
+            keep += [a, b, used]
+            specs.append(kernels.LinearSpec.of(panels[g], weight.shape[1], out, (a, b, rank), used))
+        array = (kernels.LinearSpec * len(specs))(*specs)
+        keep.append(array)
+        return ctypes.cast(array, ctypes.POINTER(kernels.LinearSpec))
+
+    @staticmethod
+    def _array(specs: list, keep: list):
+        array = (kernels.LinearSpec * len(specs))(*specs)
+        keep.append(array)
+        return ctypes.cast(array, ctypes.POINTER(kernels.LinearSpec))
+
+    def _build(self, names: tuple[str, ...], rank: int) -> tuple[kernels.V41Model, list]:
+        model, config, keep = self.model, self.config, []
+        spec = lambda module: None if module is None else self._specs(module, names, rank, keep)  # noqa: E731
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        layers = []
+        for layer in model.layers:
+            attn, ffn, role = layer.attn, layer.ffn, layer.role
+            compressor, indexer = attn.compressor, attn.indexer
+            experts = [w for expert in ffn.experts for w in (expert.w1, expert.w2, expert.w3)]
+            expert_specs = self._array([spec(w)[0] for w in experts], keep)
+            shared = ffn.shared_experts
+            shared_specs = None if shared is None else self._array(
+                [spec(w)[0] for w in (shared.w1, shared.w2, shared.w3)], keep)
+            layers.append(kernels.V41Layer(
+                attn_norm=ptr(layer.attn_norm.weight), wq_a=spec(attn.wq_a), wq_b=spec(attn.wq_b), wkv=spec(attn.wkv),
+                wo_a=spec(attn.wo_a), wo_b=spec(attn.wo_b), q_norm=ptr(attn.q_norm.weight),
+                kv_norm=ptr(attn.kv_norm.weight), sink=ptr(attn.attn_sink), rope=int(role.rope == "compress"),
+                own_store=self.stores.get(role.index, -1) if role.is_kv_source else -1,
+                read_store=-1 if role.kv_source is None else self.stores[role.kv_source],
+                ratio=role.ratio, c_wkv=spec(compressor and compressor.wkv),
+                c_wgate=spec(compressor and compressor.wgate), c_norm=ptr(compressor and compressor.norm.weight),
+                i_wk=spec(indexer and indexer.wk), i_k_norm=ptr(indexer and indexer.k_norm and indexer.k_norm.weight),
+                i_wq_b=spec(indexer and indexer.wq_b), i_weights=spec(indexer and indexer.weights_proj),
+                uses_candidates=int(role.uses_candidates), candidate_source=int(role.is_candidate_source),
+                hc_attn_fn=ptr(layer.hc_attn_fn), hc_attn_base=ptr(layer.hc_attn_base),
+                hc_attn_scale=ptr(layer.hc_attn_scale), ffn_norm=ptr(layer.ffn_norm.weight),
+                gate_w=ptr(ffn.gate.weight), gate_bias=ptr(ffn.gate.bias), experts=expert_specs,
+                shared=shared_specs, hc_ffn_fn=ptr(layer.hc_ffn_fn), hc_ffn_base=ptr(layer.hc_ffn_base),
+                hc_ffn_scale=ptr(layer.hc_ffn_scale)))
+        layer_array = (kernels.V41Layer * len(layers))(*layers)
+        inv_freq = [model._inv_freq[kind].float().contiguous() for kind in ("main", "compress")]
+        ratios = [config.compress_ratios[layer] for layer in config.kv_source_layer_ids]
+        struct = kernels.V41Model(
+            C=config.hidden_size, H=config.num_attention_heads, D=config.head_dim, R=config.qk_rope_head_dim,
+            Q=config.q_lora_rank, G=config.o_groups, hc=config.hc_mult, vocab=config.vocab_size,
+            window=config.sliding_window, index_heads=config.index_n_heads, index_dim=config.index_head_dim,
+            index_topk=config.index_topk, cand_blocks=config.candidate_topk_blocks,
+            cand_block_size=config.candidate_block_size, n_experts=config.n_routed_experts,
+            top_experts=config.num_experts_per_tok, store_ratio=(ctypes.c_long * kernels.MAX_STORES)(*ratios),
+            n_layers=config.num_hidden_layers, decoder_start=config.decoder_start,
+            sinkhorn_iters=config.hc_sinkhorn_iters, scoring=SCORING[config.scoring_func],
+            norm_topk=int(config.norm_topk_prob), eps=config.rms_norm_eps, hc_eps=config.hc_eps,
+            routed_scale=config.routed_scaling_factor, swiglu_limit=config.swiglu_limit or 0.0,
+            inv_freq=(ctypes.c_void_p * 2)(*(t.data_ptr() for t in inv_freq)), embed=ptr(model.embed.weight),
+            final_norm=ptr(model.norm.weight), head=spec(model.head), layers=layer_array)
+        return struct, keep + [layer_array, inv_freq, layers]
+
+    # -- a step ---------------------------------------------------------------------------------------------------
+
+    def step(self, states: list[V41ConversationState], tokens: list[int], adapters: list[str | None]) -> Tensor | None:
+        """Next-token logits (B, V) of `tokens` (one per row, checked by the caller) appended to `states`, each
+        row under its adapter; every row's state advanced as the torch step advances it. None where the kernel
+        cannot take the step (the caller runs the torch path)."""
+        B = len(states)
+        if B > kernels.MAX_ROWS or not kernels.enabled():
+            return None
+        struct = self.model_struct()
+        if struct is None:
+            return None
+        config, S, E = self.config, kernels.MAX_STORES, self.config.decoder_start
+        L, P = config.num_hidden_layers, config.candidate_topk_blocks
+        like = self.like
+        order = tuple(self.adapter_set.names)
+        slots = [-1 if name is None else order.index(name) for name in adapters]
+        source = config.roles[E].kv_source  # a row keeps layer E's choices once this store has an entry
+        windows, window_n = [0] * (B * L), [0] * (B * L)
+        latents, keys, n_entries, pending = [0] * (B * S), [0] * (B * S), [0] * (B * S), [0] * (B * S)
+        stream, pre, sel_idx, sel_valid, pool_idx, pool_valid = ([0] * B for _ in range(6))
+        tails = []  # (tail, completes) to advance after the call
+        for b, state in enumerate(states):
+            shared, position = state.shared, state.length
+            for layer in range(L):
+                window = (shared.windows if layer <= E else state.bound.windows)[layer]
+                windows[b * L + layer], window_n[b * L + layer] = window.tail.place(like["latent"]), len(window)
+            for layer, s in self.stores.items():
+                store, i = shared.stores[layer], b * S + s
+                if store.ratio > 1 and len(store.inputs) != position % store.ratio:
+                    return None  # a pending group out of step with the position: let torch's path say so
+                latents[i], keys[i] = store.latents.place(like["latent"]), store.keys.place(like["key"])
+                n_entries[i] = store.n_entries
+                pending[i] = store.inputs.place(like["input"]) if store.ratio > 1 else 0
+            tails_of = shared.tails
+            end = lambda name, like_name: tails_of[name].place(like[like_name], at_end=True)  # noqa: E731
+            stream[b], pre[b] = end("stream", "stream"), end("pre", "pre")
+            kept = ["stream", "pre"]
+            if source is not None and (position + 1) // config.compress_ratios[source] > 0:
+                sel_idx[b], sel_valid[b] = end("selection.idx", "sel_idx"), end("selection.valid", "sel_valid")
+                kept += ["selection.idx", "selection.valid"]
+                if P:
+                    pool_idx[b], pool_valid[b] = end("pool.idx", "pool_idx"), end("pool.valid", "pool_valid")
+                    kept += ["pool.idx", "pool.valid"]
+            tails.append(kept)
+        arrays = dict(positions=[state.length for state in states], lora_slots=slots, windows=windows,
+                      window_n=window_n, latents=latents, keys=keys, n_entries=n_entries, pending=pending,
+                      stream=stream, pre=pre, sel_idx=sel_idx, sel_valid=sel_valid, pool_idx=pool_idx,
+                      pool_valid=pool_valid)
+        held = {name: (ctypes.c_long * len(values))(*values) for name, values in arrays.items()}
+        rows = kernels.V41Rows(B=B, **{name: ctypes.addressof(array) for name, array in held.items()})
+        if all(slot < 0 for slot in slots):
+            rows.lora_slots = None
+        ids = (ctypes.c_long * B)(*tokens)
+        logits = torch.empty(B, config.vocab_size)
+        kernels.check(kernels.library().v41_decode_step(ctypes.byref(rows), ctypes.byref(struct), ids,
+                                                        logits.data_ptr()))
+        for state, token, kept in zip(states, tokens, tails):
+            self._advance(state, token, kept)
+        return logits
+
+    def _advance(self, state: V41ConversationState, token: int, kept: list[str]) -> None:
+        """The places the kernel wrote now belong to the row's tails; the token joins the conversation."""
+        shared, position, E = state.shared, state.length, self.config.decoder_start
+        for layer in range(self.config.num_hidden_layers):
+            (shared.windows if layer <= E else state.bound.windows)[layer].tail.advance(1)
+        for store in shared.stores.values():
+            if (position + 1) % store.ratio == 0:
+                store.latents.advance(1)
+                store.keys.advance(1)
+                store.pending = self.no_inputs  # the group is done: none pending
+            else:
+                store.inputs.advance(1)
+        for name in kept:
+            shared.tails[name].advance(1)
+        shared.tokens.append(token)

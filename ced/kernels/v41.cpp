@@ -1,0 +1,473 @@
+// The deepseek_v41 family's decode step in one call (ced/deepseek_v41/native.py fills the structs and calls it).
+//
+// B rows, one token each, through every layer as DeepseekV41ForCausalLM computes them (ced/deepseek_v41/model.py):
+// per layer the mHC streams collapsed with the previous site's pre-mix, MQA over one shared K = V latent (the
+// window of the last W latents and the selected entries of a global KV, a sink per head, the output's rope slice
+// turned back, the grouped output projection), the compressor of a KV source, the indexer's top-k and candidate
+// pool, the MoE (routed experts grouped by the rows that chose them, a shared expert) and the mHC weights
+// (Sinkhorn-Knopp) of both sites. Each row's state is read and written in place: its windows, stores and pending
+// group, and what a switch replays (layer E's streams, pre-mix, top-k and pool), at the places the caller
+// reserved. Products run on decode.cpp's panels with each row's LoRA; a row's result does not depend on the other
+// rows of the call. Same arithmetic as the torch model in another summation order: logits agree to float tolerance.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+
+using kernels::dot;
+
+constexpr int MAX_STORES = 8;  // KV sources a model may have (V4.1-Flash has 4)
+
+extern "C" {
+
+// One layer: its attention site and its FFN site. Mirrored by ced/kernels V41Layer.
+struct V41Layer {
+  const float* attn_norm;
+  const Linear *wq_a, *wq_b, *wkv, *wo_a, *wo_b;  // wo_a: o_groups linears, one per group of heads
+  const float *q_norm, *kv_norm, *sink;
+  int rope;        // 0: the main rope, 1: the compress rope
+  int own_store;   // the store this layer's compressor writes (-1: not a KV source)
+  int read_store;  // the store it attends to (-1: its window only)
+  int ratio;       // the compress ratio of the store it writes
+  const Linear *c_wkv, *c_wgate;  // compressor (c_wgate null at ratio 1)
+  const float* c_norm;
+  const Linear* i_wk;  // indexer keys of the entries it writes
+  const float* i_k_norm;
+  const Linear *i_wq_b, *i_weights;  // indexer queries (null: not an index source)
+  int uses_candidates, candidate_source;
+  const float *hc_attn_fn, *hc_attn_base, *hc_attn_scale;
+  const float* ffn_norm;
+  const float *gate_w, *gate_bias;  // (n_experts, C), (n_experts)
+  const Linear* experts;            // n_experts x (w1, w2, w3)
+  const Linear* shared;             // (w1, w2, w3), or null
+  const float *hc_ffn_fn, *hc_ffn_base, *hc_ffn_scale;
+};
+
+// The model's sizes and shared weights. Mirrored by ced/kernels V41Model.
+struct V41Model {
+  long C, H, D, R, Q, G, hc, vocab, window, index_heads, index_dim, index_topk, cand_blocks, cand_block_size,
+      n_experts, top_experts, store_ratio[MAX_STORES];
+  int n_layers, decoder_start, sinkhorn_iters, scoring, norm_topk;  // scoring: 0 sqrtsoftplus, 1 sigmoid, 2 softmax
+  float eps, hc_eps, routed_scale, swiglu_limit;
+  const float* inv_freq[2];  // (R/2): main, compress
+  const float *embed, *final_norm;
+  const Linear* head;
+  const V41Layer* layers;
+};
+
+// The rows of one step and where their state lies. Mirrored by ced/kernels V41Rows.
+struct V41Rows {
+  int B;
+  const long* positions;   // (B) this token's position
+  const long* lora_slots;  // (B) each row's adapter slot (-1: none), or null
+  float* const* windows;   // (B, L): layer l's window of row b: window_n latents, then room for this one
+  const long* window_n;
+  float* const* latents;  // (B, MAX_STORES): store s of row b: n_entries entries, then room for one more
+  float* const* keys;
+  const long* n_entries;
+  float* const* pending;   // (B, MAX_STORES): the inputs of the group in progress (position % ratio of them), then room
+  float* const* stream;    // (B): where this position's layer-E streams (hc, C) go
+  float* const* pre;       // (B): ... and its pre-mix (hc)
+  long* const* sel_idx;    // (B): ... its top-k (index_topk), or null: not kept
+  bool* const* sel_valid;
+  long* const* pool_idx;   // (B): ... its candidate pool (cand_blocks), or null
+  bool* const* pool_valid;
+};
+
+}  // extern "C"
+
+namespace {
+
+constexpr float NEG_INF = -INFINITY;
+
+// sum_i a[i] * b[i] with the 16 lanes added as a tree (dot's lane-by-lane sum is a chain of 16 dependent adds:
+// the indexer's scores of every entry and the window's dots wait on it). Same order for every call.
+inline float dot_tree(const float* a, const float* b, long n) {
+  if (n % 16) return dot(a, b, n);
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4 __attribute__((vector_size(16)));
+  kernels::v16 acc = {};
+  for (long i = 0; i < n; i += 16) acc += kernels::load(a + i) * kernels::load(b + i);
+  const v8 half = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 quarter = __builtin_shufflevector(half, half, 0, 1, 2, 3) + __builtin_shufflevector(half, half, 4, 5, 6, 7);
+  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
+}
+
+float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+float silu(float x) { return x / (1.0f + std::exp(-x)); }
+
+// Interleaved pairs (2i, 2i+1) of the trailing R dims of each of `heads` heads of width D, rotated by the angles
+// pos * inv_freq (sign -1: back).
+void rope(float* x, long heads, long D, long R, const float* inv_freq, long pos, float sign) {
+  for (long i = 0; i < R / 2; ++i) {
+    const float angle = static_cast<float>(pos) * inv_freq[i];
+    const float c = std::cos(angle), s = sign * std::sin(angle);
+    for (long h = 0; h < heads; ++h) {
+      float* pair = x + h * D + D - R + 2 * i;
+      const float a = pair[0], b = pair[1];
+      pair[0] = a * c - b * s;
+      pair[1] = a * s + b * c;
+    }
+  }
+}
+
+// The k best of `n` candidates (score, entry), ties to the higher entry, best first; fewer than k (or -inf ones)
+// leave invalid places of entry 0: as _top_k over top_k_recent (model.py) picks and orders them.
+void top_k(std::vector<std::pair<float, long>>& cand, long k, long* idx, char* valid) {
+  const long n = std::min<long>(k, cand.size());
+  std::partial_sort(cand.begin(), cand.begin() + n, cand.end(), [](const auto& a, const auto& b) {
+    return a.first > b.first || (a.first == b.first && a.second > b.second);
+  });
+  for (long j = 0; j < k; ++j) {
+    valid[j] = j < n && cand[j].first > NEG_INF;
+    idx[j] = valid[j] ? cand[j].second : 0;
+  }
+}
+
+// hc_weights and hc_expand (model.py) on one row's streams x (hc, C): the site's output `out` (C) spread by post,
+// the streams mixed by comb^T; `pre` (hc) is the pre-mix the next site collapses with.
+void hc_site(const V41Model* m, const float* fn, const float* base, const float* scale, float* x, const float* out,
+             float* pre) {
+  const long n = m->hc, C = m->C, width = n * C;
+  const float r = 1.0f / std::sqrt(dot(x, x, width) / width + m->eps);
+  std::vector<float> mixes((2 + n) * n), comb(n * n), mixed(width);
+  for (long j = 0; j < (2 + n) * n; ++j) mixes[j] = dot(fn + j * width, x, width) * r;
+  std::vector<float> post(n);
+  for (long j = 0; j < n; ++j) {
+    pre[j] = sigmoid(mixes[j] * scale[0] + base[j]) + m->hc_eps;
+    post[j] = 2.0f * sigmoid(mixes[n + j] * scale[1] + base[n + j]);
+  }
+  for (long i = 0; i < n; ++i) {  // softmax over each row of comb
+    float* row = comb.data() + i * n;
+    float top = NEG_INF, total = 0.0f;
+    for (long j = 0; j < n; ++j) top = std::max(top, row[j] = mixes[2 * n + i * n + j] * scale[2] + base[2 * n + i * n + j]);
+    for (long j = 0; j < n; ++j) total += (row[j] = std::exp(row[j] - top));
+    for (long j = 0; j < n; ++j) row[j] = row[j] / total + m->hc_eps;
+  }
+  auto normalise_columns = [&] {
+    for (long j = 0; j < n; ++j) {
+      float sum = 0.0f;
+      for (long i = 0; i < n; ++i) sum += comb[i * n + j];
+      for (long i = 0; i < n; ++i) comb[i * n + j] /= sum + m->hc_eps;
+    }
+  };
+  normalise_columns();
+  for (int it = 1; it < m->sinkhorn_iters; ++it) {
+    for (long i = 0; i < n; ++i) {
+      float sum = 0.0f;
+      for (long j = 0; j < n; ++j) sum += comb[i * n + j];
+      for (long j = 0; j < n; ++j) comb[i * n + j] /= sum + m->hc_eps;
+    }
+    normalise_columns();
+  }
+  for (long j = 0; j < n; ++j)  // stream j: post[j] * out + sum_i comb[i][j] * x[i]
+    for (long c = 0; c < C; ++c) {
+      float sum = 0.0f;
+      for (long i = 0; i < n; ++i) sum += comb[i * n + j] * x[i * C + c];
+      mixed[j * C + c] = post[j] * out[c] + sum;
+    }
+  std::memcpy(x, mixed.data(), width * sizeof(float));
+}
+
+// sum_j pre[j] * x[j] over the hc streams of each row, then the RMSNorm of weight `norm`: (B, C).
+void collapse_norm(const V41Model* m, int B, const float* x, const float* pre, const float* norm, float* h, float* xn) {
+  const long n = m->hc, C = m->C;
+  for (int b = 0; b < B; ++b)
+    for (long c = 0; c < C; ++c) {
+      float sum = 0.0f;
+      for (long j = 0; j < n; ++j) sum += pre[b * n + j] * x[(b * n + j) * C + c];
+      h[b * C + c] = sum;
+    }
+  rms_norm(h, B, C, norm, m->eps, xn);
+}
+
+struct Step {  // what a step carries from layer to layer
+  const V41Model* m;
+  const V41Rows* r;
+  int B;
+  std::vector<float> x, pre;      // (B, hc, C) the streams, (B, hc) the pre-mix of the last site
+  std::vector<long> sel_idx, pool_idx;
+  std::vector<char> sel_valid, pool_valid, has_sel, has_pool;
+  std::vector<long> entries;      // (B, MAX_STORES) each store's entries after this step's compressors
+};
+
+// A KV source's compressor for each row whose group completes at this position: the group's inputs pooled
+// (softmax-gated per dim at ratio >= 2), normed, its indexer key, both rotated at the group's first position.
+int compress(Step& s, const V41Layer* L, const float* xn) {
+  const V41Model* m = s.m;
+  const long C = m->C, D = m->D, I = m->index_dim, ratio = L->ratio;
+  std::vector<float> kv(ratio * D), gate(ratio * D), latent(D), key(I), normed(D);
+  for (int b = 0; b < s.B; ++b) {
+    const long pos = s.r->positions[b], place = pos % ratio;
+    float* group = s.r->pending[b * MAX_STORES + L->own_store];
+    if (ratio > 1) std::memcpy(group + place * C, xn + b * C, C * sizeof(float));
+    if (place != ratio - 1) continue;
+    const float* inputs = ratio > 1 ? group : xn + b * C;
+    if (linear(L->c_wkv, inputs, C, ratio, nullptr, kv.data(), D)) return -1;
+    if (ratio > 1) {
+      if (linear(L->c_wgate, inputs, C, ratio, nullptr, gate.data(), D)) return -1;
+      for (long d = 0; d < D; ++d) {
+        float top = NEG_INF, total = 0.0f, sum = 0.0f;
+        for (long j = 0; j < ratio; ++j) top = std::max(top, gate[j * D + d]);
+        for (long j = 0; j < ratio; ++j) total += std::exp(gate[j * D + d] - top);
+        for (long j = 0; j < ratio; ++j) sum += kv[j * D + d] * (std::exp(gate[j * D + d] - top) / total);
+        latent[d] = sum;
+      }
+    } else {
+      std::memcpy(latent.data(), kv.data(), D * sizeof(float));
+    }
+    rms_norm(latent.data(), 1, D, L->c_norm, m->eps, normed.data());
+    if (linear(L->i_wk, normed.data(), D, 1, nullptr, key.data(), I)) return -1;
+    rms_norm(key.data(), 1, I, L->i_k_norm, m->eps, key.data());
+    const long entry = s.entries[b * MAX_STORES + L->own_store], first = entry * ratio;
+    rope(normed.data(), 1, D, m->R, m->inv_freq[L->rope], first, 1.0f);
+    rope(key.data(), 1, I, m->R, m->inv_freq[L->rope], first, 1.0f);
+    std::memcpy(s.r->latents[b * MAX_STORES + L->own_store] + entry * D, normed.data(), D * sizeof(float));
+    std::memcpy(s.r->keys[b * MAX_STORES + L->own_store] + entry * I, key.data(), I * sizeof(float));
+    s.entries[b * MAX_STORES + L->own_store] = entry + 1;
+  }
+  return 0;
+}
+
+// An index source's choice for each row with entries in the store it reads: the top-k entries by ReLU-weighted
+// score (inside the candidate pool where the layer uses one and the row has it), and at the candidate source the
+// pool of the best blocks.
+int index(Step& s, const V41Layer* L, const float* xn, const float* q_res) {
+  const V41Model* m = s.m;
+  const long C = m->C, nI = m->index_heads, dI = m->index_dim, K = m->index_topk, P = m->cand_blocks;
+  const long bs = m->cand_block_size, ratio = m->store_ratio[L->read_store];
+  std::vector<float> q(s.B * nI * dI), w(s.B * nI);
+  if (linear(L->i_wq_b, q_res, m->Q, s.B, s.r->lora_slots, q.data(), nI * dI) ||
+      linear(L->i_weights, xn, C, s.B, s.r->lora_slots, w.data(), nI))
+    return -1;
+  std::vector<std::pair<float, long>> cand;
+  for (int b = 0; b < s.B; ++b) {
+    const long N = s.entries[b * MAX_STORES + L->read_store], pos = s.r->positions[b];
+    if (N == 0) continue;
+    float* qb = q.data() + b * nI * dI;
+    rope(qb, nI, dI, m->R, m->inv_freq[L->rope], pos, 1.0f);
+    std::vector<float> head_weight(nI);  // w_h / sqrt(nI) / sqrt(dI): what a head's ReLU score is weighted by
+    for (long h = 0; h < nI; ++h) head_weight[h] = w[b * nI + h] / std::sqrt(static_cast<float>(nI * dI));
+    const float* keys = s.r->keys[b * MAX_STORES + L->read_store];
+    auto score = [&](long e) {
+      if ((e + 1) * ratio - 1 > pos) return NEG_INF;
+      float total = 0.0f;
+      for (long h = 0; h < nI; ++h) total += head_weight[h] * std::max(dot_tree(qb + h * dI, keys + e * dI, dI), 0.0f);
+      return total;
+    };
+    cand.clear();
+    if (L->uses_candidates && s.has_pool[b]) {  // only the entries of the pool's blocks, in entry order
+      std::vector<long> blocks;
+      for (long j = 0; j < P; ++j)
+        if (s.pool_valid[b * P + j]) blocks.push_back(s.pool_idx[b * P + j]);
+      std::sort(blocks.begin(), blocks.end());
+      for (long block : blocks)
+        for (long e = block * bs; e < std::min(N, (block + 1) * bs); ++e) cand.emplace_back(score(e), e);
+    } else {
+      for (long e = 0; e < N; ++e) cand.emplace_back(score(e), e);
+      if (L->candidate_source && P) {  // the pool: the blocks of the best entry scores
+        std::vector<std::pair<float, long>> blocks;
+        for (long block = 0; block * bs < N; ++block) {
+          float best = NEG_INF;
+          for (long e = block * bs; e < std::min(N, (block + 1) * bs); ++e) best = std::max(best, cand[e].first);
+          blocks.emplace_back(best, block);
+        }
+        top_k(blocks, P, s.pool_idx.data() + b * P, s.pool_valid.data() + b * P);
+        s.has_pool[b] = 1;
+      }
+    }
+    top_k(cand, K, s.sel_idx.data() + b * K, s.sel_valid.data() + b * K);
+    s.has_sel[b] = 1;
+  }
+  return 0;
+}
+
+// A layer's attention site on every row.
+int attention_site(Step& s, const V41Layer* L, int layer) {
+  const V41Model* m = s.m;
+  const V41Rows* r = s.r;
+  const int B = s.B;
+  const long C = m->C, H = m->H, D = m->D, Q = m->Q, G = m->G, n = m->hc;
+  const long Ro = L->wo_a[0].out, L_count = m->n_layers;
+  std::vector<float> h(B * C), xn(B * C), qa(B * Q), q_res(B * Q), kv(B * D), q(B * H * D), out(B * H * D),
+      grouped(B * G * Ro), y(B * C), next_pre(B * n);
+  collapse_norm(m, B, s.x.data(), s.pre.data(), L->attn_norm, h.data(), xn.data());
+  if (linear(L->wq_a, xn.data(), C, B, r->lora_slots, qa.data(), Q) ||
+      linear(L->wkv, xn.data(), C, B, r->lora_slots, kv.data(), D))
+    return -1;
+  rms_norm(qa.data(), B, Q, L->q_norm, m->eps, q_res.data());
+  for (int b = 0; b < B; ++b) {  // the new latent, rotated, into the row's window
+    float* latent = kv.data() + b * D;
+    rms_norm(latent, 1, D, L->kv_norm, m->eps, latent);
+    rope(latent, 1, D, m->R, m->inv_freq[L->rope], r->positions[b], 1.0f);
+    std::memcpy(r->windows[b * L_count + layer] + r->window_n[b * L_count + layer] * D, latent, D * sizeof(float));
+  }
+  if (L->own_store >= 0 && compress(s, L, xn.data())) return -1;
+  if (L->i_wq_b && index(s, L, xn.data(), q_res.data())) return -1;
+  if (linear(L->wq_b, q_res.data(), Q, B, r->lora_slots, q.data(), H * D)) return -1;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const long K = m->index_topk;
+  kernels::parallel_for(B, B > 1, [&](long b) {
+    const long pos = r->positions[b], held = r->window_n[b * L_count + layer];
+    const float* keys = r->windows[b * L_count + layer];
+    const bool global = L->read_store >= 0 && s.entries[b * MAX_STORES + L->read_store] > 0 && s.has_sel[b];
+    const float* latents = global ? r->latents[b * MAX_STORES + L->read_store] : nullptr;
+    std::vector<float> p(held + 1 + K + 1);
+    float* qb = q.data() + b * H * D;
+    rope(qb, H, D, m->R, m->inv_freq[L->rope], pos, 1.0f);
+    for (long head = 0; head < H; ++head) {
+      const float* qh = qb + head * D;
+      float top = NEG_INF;
+      for (long j = 0; j <= held; ++j) {  // the window: positions pos - held .. pos; distance W and over masked
+        p[j] = held - j >= m->window ? NEG_INF : dot_tree(qh, keys + j * D, D) * scale;
+        top = std::max(top, p[j]);
+      }
+      for (long j = 0; j < K; ++j) {
+        const bool valid = global && s.sel_valid[b * K + j];
+        p[held + 1 + j] = valid ? dot_tree(qh, latents + s.sel_idx[b * K + j] * D, D) * scale : NEG_INF;
+        top = std::max(top, p[held + 1 + j]);
+      }
+      top = std::max(top, p[held + 1 + K] = L->sink[head]);
+      float total = 0.0f;
+      for (long j = 0; j < held + 2 + K; ++j) total += (p[j] = std::exp(p[j] - top));
+      float* o = out.data() + b * H * D + head * D;
+      std::fill(o, o + D, 0.0f);
+      for (long j = 0; j <= held; ++j) {
+        const float weight = p[j] / total;
+        for (long d = 0; d < D; ++d) o[d] += weight * keys[j * D + d];
+      }
+      for (long j = 0; j < K; ++j) {
+        if (!(global && s.sel_valid[b * K + j])) continue;
+        const float weight = p[held + 1 + j] / total;
+        const float* value = latents + s.sel_idx[b * K + j] * D;
+        for (long d = 0; d < D; ++d) o[d] += weight * value[d];
+      }
+    }
+    rope(out.data() + b * H * D, H, D, m->R, m->inv_freq[L->rope], pos, -1.0f);
+  });
+  const long group_in = H * D / G;
+  for (long g = 0; g < G; ++g)
+    if (linear(L->wo_a + g, out.data() + g * group_in, H * D, B, r->lora_slots, grouped.data() + g * Ro, G * Ro))
+      return -1;
+  if (linear(L->wo_b, grouped.data(), G * Ro, B, r->lora_slots, y.data(), C)) return -1;
+  for (int b = 0; b < B; ++b)
+    hc_site(m, L->hc_attn_fn, L->hc_attn_base, L->hc_attn_scale, s.x.data() + b * n * C, y.data() + b * C,
+            s.pre.data() + b * n);
+  return 0;
+}
+
+// clamp(x, lo, hi) where a limit is set (limit <= 0: none).
+inline float clamp(float x, float lo, float hi, float limit) { return limit > 0 ? std::min(std::max(x, lo), hi) : x; }
+
+// One expert (w1, w2, w3) on M rows: y = w2(silu(w1 x) * w3 x), gate and up clamped at `limit` (0: not).
+int expert(const Linear* w, const float* x, int M, const long* slots, float limit, float* y) {
+  const long C = w[0].in, F = w[0].out;
+  std::vector<float> g(M * F), u(M * F);
+  if (linear(w + 0, x, C, M, slots, g.data(), F) || linear(w + 2, x, C, M, slots, u.data(), F)) return -1;
+  for (long i = 0; i < M * F; ++i)
+    g[i] = silu(clamp(g[i], -INFINITY, limit, limit)) * clamp(u[i], -limit, limit, limit);
+  return linear(w + 1, g.data(), F, M, slots, y, C);
+}
+
+// A layer's FFN site on every row: the gate's top experts per row, each expert once over the rows that chose it.
+int ffn_site(Step& s, const V41Layer* L) {
+  const V41Model* m = s.m;
+  const int B = s.B;
+  const long C = m->C, E = m->n_experts, k = m->top_experts, n = m->hc;
+  std::vector<float> h(B * C), xn(B * C), routed(B * C, 0.0f), weights(B * k), scores(E), biased(E);
+  std::vector<long> ids(B * k);
+  collapse_norm(m, B, s.x.data(), s.pre.data(), L->ffn_norm, h.data(), xn.data());
+  for (int b = 0; b < B; ++b) {
+    for (long e = 0; e < E; ++e) {
+      const float logit = dot(L->gate_w + e * C, xn.data() + b * C, C);
+      scores[e] = m->scoring == 0 ? std::sqrt(logit > 20.0f ? logit : std::log1p(std::exp(logit)))
+                  : m->scoring == 1 ? sigmoid(logit) : logit;
+    }
+    if (m->scoring == 2) {
+      float top = *std::max_element(scores.begin(), scores.end()), total = 0.0f;
+      for (long e = 0; e < E; ++e) total += (scores[e] = std::exp(scores[e] - top));
+      for (long e = 0; e < E; ++e) scores[e] /= total;
+    }
+    std::vector<long> order(E);
+    for (long e = 0; e < E; ++e) order[e] = e, biased[e] = scores[e] + L->gate_bias[e];
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&](long a, long c) { return biased[a] > biased[c] || (biased[a] == biased[c] && a < c); });
+    float sum = 0.0f;
+    for (long j = 0; j < k; ++j) sum += scores[order[j]];
+    for (long j = 0; j < k; ++j) {
+      ids[b * k + j] = order[j];
+      weights[b * k + j] = (m->norm_topk ? scores[order[j]] / (sum + 1e-20f) : scores[order[j]]) * m->routed_scale;
+    }
+  }
+  std::vector<float> rows_x, rows_y;
+  std::vector<long> rows, slots, places;
+  for (long e = 0; e < E; ++e) {  // each chosen expert once, in expert order, over the rows that chose it
+    rows.clear(), places.clear(), slots.clear(), rows_x.clear();
+    for (int b = 0; b < B; ++b)
+      for (long j = 0; j < k; ++j)
+        if (ids[b * k + j] == e) {
+          rows.push_back(b), places.push_back(b * k + j);
+          slots.push_back(s.r->lora_slots ? s.r->lora_slots[b] : -1);
+          rows_x.insert(rows_x.end(), xn.begin() + b * C, xn.begin() + (b + 1) * C);
+        }
+    if (rows.empty()) continue;
+    rows_y.resize(rows.size() * C);
+    if (expert(L->experts + 3 * e, rows_x.data(), rows.size(), s.r->lora_slots ? slots.data() : nullptr,
+               m->swiglu_limit, rows_y.data()))
+      return -1;
+    for (size_t i = 0; i < rows.size(); ++i)
+      for (long c = 0; c < C; ++c) routed[rows[i] * C + c] += rows_y[i * C + c] * weights[places[i]];
+  }
+  if (L->shared) {
+    std::vector<float> shared(B * C);
+    if (expert(L->shared, xn.data(), B, s.r->lora_slots, 0.0f, shared.data())) return -1;
+    for (long i = 0; i < B * C; ++i) routed[i] += shared[i];
+  }
+  for (int b = 0; b < B; ++b)
+    hc_site(m, L->hc_ffn_fn, L->hc_ffn_base, L->hc_ffn_scale, s.x.data() + b * n * C, routed.data() + b * C,
+            s.pre.data() + b * n);
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// One decode step of B rows: the next-token logits (B, vocab) out; every row's state written at its reserved
+// places. Returns nonzero where a LoRA rank is above the kernels' limit.
+int v41_decode_step(const V41Rows* r, const V41Model* m, const long* tokens, float* logits) {
+  const int B = r->B;
+  const long C = m->C, n = m->hc, K = m->index_topk, P = m->cand_blocks;
+  Step s{m, r, B, std::vector<float>(B * n * C), std::vector<float>(B * n, 0.0f), std::vector<long>(B * K, 0),
+         std::vector<long>(B * std::max(P, 1L), 0), std::vector<char>(B * K, 0), std::vector<char>(B * std::max(P, 1L), 0),
+         std::vector<char>(B, 0), std::vector<char>(B, 0), std::vector<long>(r->n_entries, r->n_entries + B * MAX_STORES)};
+  for (int b = 0; b < B; ++b) {
+    for (long j = 0; j < n; ++j) std::memcpy(s.x.data() + (b * n + j) * C, m->embed + tokens[b] * C, C * sizeof(float));
+    s.pre[b * n] = 1.0f;  // the first site collapses onto stream 0 (every stream holds the embedding)
+  }
+  const int E = m->decoder_start;
+  for (int layer = 0; layer < m->n_layers; ++layer) {
+    const V41Layer* L = m->layers + layer;
+    if (attention_site(s, L, layer)) return -1;
+    if (layer == E) {  // what a switch replays from
+      for (int b = 0; b < B; ++b) {
+        std::memcpy(r->stream[b], s.x.data() + b * n * C, n * C * sizeof(float));
+        std::memcpy(r->pre[b], s.pre.data() + b * n, n * sizeof(float));
+        if (r->sel_idx[b])
+          for (long j = 0; j < K; ++j) r->sel_idx[b][j] = s.sel_idx[b * K + j], r->sel_valid[b][j] = s.sel_valid[b * K + j];
+        if (r->pool_idx[b])
+          for (long j = 0; j < P; ++j)
+            r->pool_idx[b][j] = s.pool_idx[b * P + j], r->pool_valid[b][j] = s.pool_valid[b * P + j];
+      }
+    }
+    if (ffn_site(s, L)) return -1;
+  }
+  std::vector<float> h(B * C), xn(B * C);
+  collapse_norm(m, B, s.x.data(), s.pre.data(), m->final_norm, h.data(), xn.data());
+  return linear(m->head, xn.data(), C, B, nullptr, logits, m->vocab);
+}
+
+}  // extern "C"
