@@ -4,14 +4,15 @@ Every engine serves the demo (the one every command uses, ced/demo.py; or --mode
 and decode run under one of them. Engines: `torch` (CEDEngine, one conversation's objects), `torch_serving` (the
 BatchedEngine the server runs, over its paged pool, one row, with the native decode kernels of ced/kernels),
 `torch_serving_no_kernels` (the same engine with the kernels turned off: torch's arithmetic), `onnxruntime` (and
-`tensorrt`). Each repeat times every engine in turn on the same work, so drift of the machine spreads over all rows:
+`tensorrt`). A `deepseek_v41` model (`--model models/demo-v41/model`) has two: `torch_serving` (V41Engine, which the
+server runs, its decode steps one native call each) and `torch` (the same engine with the kernels off). Each repeat times every engine in turn on the same work, so drift of the machine spreads over all rows:
 
 - prefill: a fresh conversation's `--context` tokens through the adapter-free stage (chunks of 256);
 - replay:  a switch at that context: the last W positions through the decoder under the adapter;
 - decode:  `--decode` greedy steps after the replay (each step runs both stages for one token).
 
 The `floor` row is the time one thread takes to read the bytes a decode step must read (every weight once, the
-tied embedding as the head) from memory, timed in the same repeats; `vs_floor` is each decode row's ms over it.
+tied embedding as the head; of a MoE's routed experts only the share a token uses, top-k of n) from memory, timed in the same repeats; `vs_floor` is each decode row's ms over it.
 
     python -m benchmarks.engine_speed [--quick] [--json PATH] [--plot PATH] [--trt-dir DIR]
 """
@@ -30,6 +31,7 @@ from tqdm import tqdm
 from ced import kernels
 from ced.batched import BatchedEngine
 from ced.engines import make_engine
+from ced.families import family_of
 
 from ._report import add_plot_option, markdown_table, median_spread, plot_path, save_figure, write_json
 
@@ -71,6 +73,32 @@ class ServingEngine:
             return self.batched.step([row], [token], [adapter])[0]
 
 
+class Kernels:
+    """An engine's verbs with the native kernels on or off (`native`)."""
+
+    def __init__(self, engine, native: bool):
+        self.engine, self.native = engine, native
+        self.config, self.adapters, self.model = engine.config, engine.adapters, engine.model
+
+    def _mode(self):
+        return contextlib.nullcontext() if self.native else kernels.turned_off()
+
+    def new_conversation(self):
+        return self.engine.new_conversation()
+
+    def prefill(self, state, tokens: list[int]) -> None:
+        with self._mode():
+            self.engine.prefill(state, tokens)
+
+    def replay(self, state, adapter):
+        with self._mode():
+            return self.engine.replay(state, adapter)
+
+    def step(self, state, token: int, adapter):
+        with self._mode():
+            return self.engine.step(state, token, adapter)
+
+
 class Floor:
     """Reads `nbytes` of float32 once (a sum over them): the memory floor of a decode step that reads that much."""
 
@@ -82,7 +110,16 @@ class Floor:
 
 
 def weight_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())  # a tied weight counted once
+    """Bytes of the weights one decode step of one row reads: every weight once (a tied weight counted once);
+    a deepseek_v41 model's embedding is read a row at a time (its head is separate) and of its routed experts only
+    the top-k of n a token is sent to."""
+    nbytes = lambda params: sum(p.numel() * p.element_size() for p in params)  # noqa: E731
+    config = model.config
+    if getattr(config, "n_routed_experts", 0):
+        routed = [p for name, p in model.named_parameters() if ".ffn.experts." in name]
+        rest = [p for name, p in model.named_parameters() if ".ffn.experts." not in name and name != "embed.weight"]
+        return nbytes(rest) + nbytes(routed) * config.num_experts_per_tok // config.n_routed_experts
+    return nbytes(model.parameters())
 
 
 def timed(fn) -> float:
@@ -145,7 +182,7 @@ def measure(engines: dict, history: list[int], adapter: str, n_decode: int, repe
     return rows
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], path: str, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -165,7 +202,7 @@ def plot(rows: list[dict], path: str) -> None:
     axis.hlines(floor["tokens_per_s"], 1.6, 2.4, colors="black", linestyles="dashed",
                 label="decode floor (weights read once)")
     axis.set_xticks(range(len(phases)), phases)
-    axis.set(yscale="log", ylabel="tokens/s (median, min-max)", title="CED engines on the demo model")
+    axis.set(yscale="log", ylabel="tokens/s (median, min-max)", title=title)
     axis.legend(fontsize=8, loc="upper right")
     save_figure(figure, path)
 
@@ -197,9 +234,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.model = demo.model_dir
 
     serving, cpus = make_engine("torch", args.model), len(os.sched_getaffinity(0))  # chunk threads as the server's
-    engines = {"torch": make_engine("torch", args.model), "torch_serving": ServingEngine(serving, cpus),
-               "torch_serving_no_kernels": ServingEngine(serving, cpus, native=False),
-               "onnxruntime": make_engine("onnxruntime", args.model, engine_dir=args.onnx_dir, threads=args.threads)}
+    family = family_of(args.model).name
+    if family == "deepseek_v41":  # the server runs V41Engine itself (through RowEngine)
+        engines = {"torch": Kernels(serving, native=False), "torch_serving": Kernels(serving, native=True)}
+    else:
+        engines = {"torch": make_engine("torch", args.model), "torch_serving": ServingEngine(serving, cpus),
+                   "torch_serving_no_kernels": ServingEngine(serving, cpus, native=False),
+                   "onnxruntime": make_engine("onnxruntime", args.model, engine_dir=args.onnx_dir,
+                                              threads=args.threads)}
     if args.trt_dir:
         engines["tensorrt"] = make_engine("tensorrt", args.model, engine_dir=args.trt_dir)
     adapters = [name for name in ADAPTERS if (args.model.parent / "adapters" / name).is_dir()]
@@ -211,12 +253,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     history = torch.randint(0, config.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist()
     floor = Floor(weight_bytes(engines["torch"].model))
     rows = measure(engines, history, adapter, n_decode, repeats, floor)
-    print(f"\nEngine speed on {args.model} (W={config.window}; {context}-token prefill, replay of W under "
+    print(f"\nEngine speed on {args.model} ({family}, W={config.window}; {context}-token prefill, replay of W under "
           f"{adapter!r}, {n_decode} decode steps; medians with min-max over {repeats} interleaved repeats, "
           f"{args.threads} threads)\n")
     print(markdown_table(rows, COLUMNS))
     write_json(rows, args.json)
-    plot(rows, args.plot)
+    plot(rows, args.plot, f"Engines on {args.model.parent.name}/{args.model.name} ({family})")
     return rows
 
 

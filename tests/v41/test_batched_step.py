@@ -192,3 +192,19 @@ def test_row_engine_steps_the_batch_in_one_pass(engine, native, monkeypatch):
     assert (len(calls), len(passes)) == ((1, 0) if native else (0, 1))
     with torch_path():
         assert_close_logits(logits, [engine.step(s, tok, a) for s, tok, a in zip(serial, [5, 6, 7], adapters)])
+
+
+def test_the_native_step_follows_adapter_changes(engine, tmp_path, random_adapter):
+    """The native step's packed LoRA is rebuilt when the registry changes: after `all` is replaced by other
+    weights and `attn` unloaded, replayed rows step with what the registry now holds (as torch's step does)."""
+    adapters = ["all", "experts"]
+    states = open_rows(engine, [9, 14], adapters)
+    before = engine.step_rows([copy_state(state) for state in states], [1, 2], adapters)
+    engine.adapters.replace("all", random_adapter(tmp_path / "new", engine.adapter_set.modules, lambda n: True,
+                                                  rank=4, seed=9))
+    engine.adapters.unload("attn")
+    for state, adapter in zip(states, adapters):
+        engine.replay(state, adapter)
+    after = engine.step_rows([copy_state(state) for state in states], [1, 2], adapters)
+    assert (after[0] - before[0]).abs().max() > 1e-3  # the new weights answer
+    run_both(engine, states, adapters, n_steps=3)
