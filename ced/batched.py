@@ -28,11 +28,6 @@ from .state import ConversationState, LocalWindow, Selection, StateDelta, apply_
 # 9 to 12 ms with every chunk on 2 threads), above it the work is large enough to split: in-process a 128-position
 # replay at 8K took 12.7 ms on one thread, 9.6 on two.
 CHUNK_THREADS_MIN_POSITIONS = 128
-# The kernels' second thread runs on a CPU that others use for up to half its time: its parts are claimed as it
-# comes free, so a slice it loses costs little (measured, 16 rows beside a process busy 35 % / 60 % of one CPU: a step
-# 11 % / 19 % faster on two threads than on one; beside one busy 100 %: no faster, with a longer tail). Torch's
-# chunk threads split their work in fixed parts, so they keep FreeCpus's stricter default.
-KERNEL_SHARED_OK = 0.5
 
 
 class BatchedEngine:
@@ -148,7 +143,7 @@ class BatchedEngine:
         for row in rows:
             self.pool.reserve(row, row.length + 1)
         cache, positions = PagedCache(self.pool, rows, starts, 1), _positions(starts, 1)
-        with self.engine._rows(adapters), self._kernel_threads():
+        with self.engine._rows(adapters), kernels.step_threads(self.free_cpus, self.chunk_threads or 1):
             native = cache.native_decode(positions)
             logits = native.step(self.model, tokens) if native is not None else None  # one call (ced/kernels)
             if logits is None:
@@ -276,18 +271,6 @@ class BatchedEngine:
             torch.set_num_threads(before)
 
     @contextmanager
-    def _kernel_threads(self):
-        """A decode step's larger products in the native kernels on a second thread where a CPU is mostly free (up to
-        `chunk_threads`), then back to one: only while torch itself runs on one thread, whose pool would otherwise
-        spin against the kernels' worker (measured: a step 4x slower)."""
-        threads = 1 if torch.get_num_threads() > 1 else self.free_cpus.threads(self.chunk_threads or 1,
-                                                                               KERNEL_SHARED_OK)
-        kernels.set_threads(threads)
-        try:
-            yield
-        finally:
-            kernels.set_threads(1)
-
     def check(self, row: Resident, tokens: list[int]) -> None:
         """Raises what prefill would (ids outside the vocabulary, past the context limit), touching nothing."""
         self._checked(row, tokens)

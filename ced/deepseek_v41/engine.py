@@ -18,6 +18,8 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from .. import kernels
+from ..cpu_share import FreeCpus
 from ..engine import CEDEngine, EngineStats, StateError, check_tokens
 from ..state import Selection
 from .adapters import V41AdapterRegistry, V41AdapterSet
@@ -36,6 +38,7 @@ class V41Engine:
         self.adapter_set = V41AdapterSet(model)  # wraps every module the placement rule allows
         self.adapters = V41AdapterRegistry(self.adapter_set, max_adapters, max_rank)
         self.native = V41Plan(model, self.adapter_set)  # decode steps in one native call where it can take them
+        self.free_cpus = FreeCpus()  # the kernels' second thread runs where others leave a CPU free
         self.stats = EngineStats()
 
     # -- conversations --------------------------------------------------------------------------------------
@@ -112,7 +115,8 @@ class V41Engine:
         """Append one token (both stages) under the adapter whose windows are current; returns logits (V,)."""
         tokens = self._check_step(state, token, adapter)
         bound = state.bound
-        logits = self.native.step([state], tokens, [adapter])
+        with kernels.step_threads(self.free_cpus, len(self.free_cpus.cpus)):
+            logits = self.native.step([state], tokens, [adapter])
         if logits is not None:
             logits = logits[0]
         else:
@@ -135,7 +139,8 @@ class V41Engine:
             self.adapters.slot_of(adapter)  # an unknown adapter is named as such, before any row is touched
         for state, token, adapter in zip(states, tokens, adapters, strict=True):
             self._check_step(state, token, adapter)
-        logits = self.native.step(states, tokens, adapters)  # (B, V)
+        with kernels.step_threads(self.free_cpus, len(self.free_cpus.cpus)):
+            logits = self.native.step(states, tokens, adapters)  # (B, V)
         if logits is None:
             with self.adapter_set.use_rows(adapters):
                 logits = self.model.logits(step_rows(self.model, states, tokens))[:, -1]
