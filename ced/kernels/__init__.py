@@ -7,7 +7,8 @@ this project's 2-core EPYC its one-row product read the demo's 36 MB of weights 
 order it reads them, for all rows at once (the demo's products, one thread: 1 row 2.8 -> 1.4-1.9 ms, 16 rows 6.6 ->
 4.2-5.1 ms), and gives a row the same bits alone or in any batch. A whole decode step over the paged pool is one
 call (ced/native_decode.py); the server's step went from 9.4 to 4.2 ms a token with a call per layer's block and to
-about 2 ms with the one call (benchmarks/engine_speed, interleaved).
+about 2 ms with the one call (benchmarks/engine_speed, interleaved). The deepseek_v41 family's step is one call of
+v41.cpp's `v41_decode_step` (ced/deepseek_v41/native.py), on the same products.
 
 The library is compiled on first use with the host's C++ compiler for the host's CPU and cached under
 artifacts/native/ by a hash of the source, the flags and the CPU; `MOL2_NATIVE=0` turns it off, and without a

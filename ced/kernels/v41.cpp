@@ -122,6 +122,27 @@ inline v4 dots4(const float* q, const float* key, long n) {
   return __builtin_shufflevector(pairs, pairs, 0, 4, 2, 6) + __builtin_shufflevector(pairs, pairs, 1, 5, 3, 7);
 }
 
+// o (D) = sum_j weights[j] * rows[j], j in order, 64 dims at a time in registers.
+void weighted_rows(const float* weights, const float* const* rows, long n, long D, float* o) {
+  using kernels::load, kernels::v16;
+  long d = 0;
+  for (; d + 64 <= D; d += 64) {
+    v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (long j = 0; j < n; ++j) {
+      const float* row = rows[j] + d;
+      const v16 w = (v16){} + weights[j];
+      a0 += w * load(row), a1 += w * load(row + 16), a2 += w * load(row + 32), a3 += w * load(row + 48);
+    }
+    kernels::store(o + d, a0), kernels::store(o + d + 16, a1), kernels::store(o + d + 32, a2);
+    kernels::store(o + d + 48, a3);
+  }
+  for (; d < D; ++d) {
+    float sum = 0.0f;
+    for (long j = 0; j < n; ++j) sum += weights[j] * rows[j][d];
+    o[d] = sum;
+  }
+}
+
 float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
@@ -173,11 +194,12 @@ void hc_site(const V41Model* m, const float* fn, const float* base, const float*
     for (long j = 0; j < n; ++j) total += (row[j] = std::exp(row[j] - top));
     for (long j = 0; j < n; ++j) row[j] = row[j] / total + m->hc_eps;
   }
-  auto normalise_columns = [&] {
+  auto normalise_columns = [&] {  // one division per column, not per element: Sinkhorn's 20 rounds add up
     for (long j = 0; j < n; ++j) {
       float sum = 0.0f;
       for (long i = 0; i < n; ++i) sum += comb[i * n + j];
-      for (long i = 0; i < n; ++i) comb[i * n + j] /= sum + m->hc_eps;
+      const float inverse = 1.0f / (sum + m->hc_eps);
+      for (long i = 0; i < n; ++i) comb[i * n + j] *= inverse;
     }
   };
   normalise_columns();
@@ -185,7 +207,8 @@ void hc_site(const V41Model* m, const float* fn, const float* base, const float*
     for (long i = 0; i < n; ++i) {
       float sum = 0.0f;
       for (long j = 0; j < n; ++j) sum += comb[i * n + j];
-      for (long j = 0; j < n; ++j) comb[i * n + j] /= sum + m->hc_eps;
+      const float inverse = 1.0f / (sum + m->hc_eps);
+      for (long j = 0; j < n; ++j) comb[i * n + j] *= inverse;
     }
     normalise_columns();
   }
@@ -349,7 +372,11 @@ int attention_site(Step& s, const V41Layer* L, int layer) {
     const float* keys = r->windows[b * L_count + layer];
     const bool global = L->read_store >= 0 && s.entries[b * MAX_STORES + L->read_store] > 0 && s.has_sel[b];
     const float* latents = global ? r->latents[b * MAX_STORES + L->read_store] : nullptr;
-    std::vector<float> p(held + 1 + K + 1);
+    std::vector<float> p(held + 1 + K + 1), weights;
+    std::vector<const float*> values;  // K = V: the window's latents, then the selected entries
+    for (long j = 0; j <= held; ++j) values.push_back(keys + j * D);
+    for (long j = 0; j < K; ++j)
+      if (global && s.sel_valid[b * K + j]) values.push_back(latents + s.sel_idx[b * K + j] * D);
     float* qb = q.data() + b * H * D;
     rope(qb, H, D, m->R, m->inv_freq[L->rope], pos, 1.0f);
     for (long head = 0; head < H; ++head) {
@@ -367,18 +394,11 @@ int attention_site(Step& s, const V41Layer* L, int layer) {
       top = std::max(top, p[held + 1 + K] = L->sink[head]);
       float total = 0.0f;
       for (long j = 0; j < held + 2 + K; ++j) total += (p[j] = std::exp(p[j] - top));
-      float* o = out.data() + b * H * D + head * D;
-      std::fill(o, o + D, 0.0f);
-      for (long j = 0; j <= held; ++j) {
-        const float weight = p[j] / total;
-        for (long d = 0; d < D; ++d) o[d] += weight * keys[j * D + d];
-      }
-      for (long j = 0; j < K; ++j) {
-        if (!(global && s.sel_valid[b * K + j])) continue;
-        const float weight = p[held + 1 + j] / total;
-        const float* value = latents + s.sel_idx[b * K + j] * D;
-        for (long d = 0; d < D; ++d) o[d] += weight * value[d];
-      }
+      weights.clear();
+      for (long j = 0; j <= held; ++j) weights.push_back(p[j] / total);
+      for (long j = 0; j < K; ++j)
+        if (global && s.sel_valid[b * K + j]) weights.push_back(p[held + 1 + j] / total);
+      weighted_rows(weights.data(), values.data(), values.size(), D, out.data() + b * H * D + head * D);
     }
     rope(out.data() + b * H * D, H, D, m->R, m->inv_freq[L->rope], pos, -1.0f);
   });
