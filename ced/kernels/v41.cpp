@@ -82,18 +82,41 @@ namespace {
 
 constexpr float NEG_INF = -INFINITY;
 
-// sum_i a[i] * b[i] with the 16 lanes added as a tree (dot's lane-by-lane sum is a chain of 16 dependent adds:
-// the indexer's scores of every entry and the window's dots wait on it). Same order for every call.
+// The 16 lanes of v added as a tree (a lane-by-lane sum is a chain of 16 dependent adds).
+inline float hsum(kernels::v16 v) {
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4_ __attribute__((vector_size(16)));
+  const v8 half = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4_ quarter = __builtin_shufflevector(half, half, 0, 1, 2, 3) + __builtin_shufflevector(half, half, 4, 5, 6, 7);
+  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
+}
+
+// sum_i a[i] * b[i], its lanes added by hsum (the indexer's scores of every entry and the window's dots wait on
+// the sum). Same order for every call.
 inline float dot_tree(const float* a, const float* b, long n) {
   if (n % 16) return dot(a, b, n);
-  typedef float v8 __attribute__((vector_size(32)));
-  typedef float v4 __attribute__((vector_size(16)));
   kernels::v16 acc = {};
   for (long i = 0; i < n; i += 16) acc += kernels::load(a + i) * kernels::load(b + i);
-  const v8 half = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
-                  __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v4 quarter = __builtin_shufflevector(half, half, 0, 1, 2, 3) + __builtin_shufflevector(half, half, 4, 5, 6, 7);
-  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
+  return hsum(acc);
+}
+
+// y[k] = dot_tree(rows + k * n, x) for k < count: eight rows at a time against each load of x (their sums
+// independent, so the multiplies do not wait on one another).
+void dots_of(const float* rows, long count, const float* x, long n, float* y) {
+  if (n % 16) {
+    for (long k = 0; k < count; ++k) y[k] = dot(rows + k * n, x, n);
+    return;
+  }
+  for (long k0 = 0; k0 < count; k0 += 8) {
+    const long group = std::min(8L, count - k0);
+    kernels::v16 acc[8] = {};
+    for (long i = 0; i < n; i += 16) {
+      const kernels::v16 xv = kernels::load(x + i);
+      for (long k = 0; k < group; ++k) acc[k] += kernels::load(rows + (k0 + k) * n + i) * xv;
+    }
+    for (long k = 0; k < group; ++k) y[k0 + k] = hsum(acc[k]);
+  }
 }
 
 typedef float v4 __attribute__((vector_size(16)));
@@ -143,6 +166,32 @@ void weighted_rows(const float* weights, const float* const* rows, long n, long 
   }
 }
 
+// out[h] (D) = sum_j weights[h, j] * rows[j] for every head h: four heads at a time against each read of a row
+// (MQA: the heads share their keys and values), 64 dims at a time in registers; j in order, as weighted_rows.
+void weighted_heads(const float* weights, long H, const float* const* rows, long n, long D, float* out) {
+  using kernels::load, kernels::v16;
+  if (D % 64) {
+    for (long h = 0; h < H; ++h) weighted_rows(weights + h * n, rows, n, D, out + h * D);
+    return;
+  }
+  for (long h0 = 0; h0 < H; h0 += 4) {
+    const long heads = std::min(4L, H - h0);
+    for (long d = 0; d < D; d += 64) {
+      v16 acc[4][4] = {};
+      for (long j = 0; j < n; ++j) {
+        const float* row = rows[j] + d;
+        const v16 r0 = load(row), r1 = load(row + 16), r2 = load(row + 32), r3 = load(row + 48);
+        for (long h = 0; h < heads; ++h) {
+          const v16 w = (v16){} + weights[(h0 + h) * n + j];
+          acc[h][0] += w * r0, acc[h][1] += w * r1, acc[h][2] += w * r2, acc[h][3] += w * r3;
+        }
+      }
+      for (long h = 0; h < heads; ++h)
+        for (int v = 0; v < 4; ++v) kernels::store(out + (h0 + h) * D + d + 16 * v, acc[h][v]);
+    }
+  }
+}
+
 float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
@@ -181,7 +230,8 @@ void hc_site(const V41Model* m, const float* fn, const float* base, const float*
   const long n = m->hc, C = m->C, width = n * C;
   const float r = 1.0f / std::sqrt(dot(x, x, width) / width + m->eps);
   std::vector<float> mixes((2 + n) * n), comb(n * n), mixed(width);
-  for (long j = 0; j < (2 + n) * n; ++j) mixes[j] = dot(fn + j * width, x, width) * r;
+  dots_of(fn, (2 + n) * n, x, width, mixes.data());
+  for (float& mix : mixes) mix *= r;
   std::vector<float> post(n);
   for (long j = 0; j < n; ++j) {
     pre[j] = sigmoid(mixes[j] * scale[0] + base[j]) + m->hc_eps;
@@ -212,12 +262,12 @@ void hc_site(const V41Model* m, const float* fn, const float* base, const float*
     }
     normalise_columns();
   }
-  for (long j = 0; j < n; ++j)  // stream j: post[j] * out + sum_i comb[i][j] * x[i]
-    for (long c = 0; c < C; ++c) {
-      float sum = 0.0f;
-      for (long i = 0; i < n; ++i) sum += comb[i * n + j] * x[i * C + c];
-      mixed[j * C + c] = post[j] * out[c] + sum;
-    }
+  for (long j = 0; j < n; ++j) {  // stream j: post[j] * out + sum_i comb[i][j] * x[i]
+    float* stream = mixed.data() + j * C;
+    for (long i = 0; i < n; ++i)
+      for (long c = 0; c < C; ++c) stream[c] = (i ? stream[c] : 0.0f) + comb[i * n + j] * x[i * C + c];
+    for (long c = 0; c < C; ++c) stream[c] = post[j] * out[c] + stream[c];
+  }
   std::memcpy(x, mixed.data(), width * sizeof(float));
 }
 
@@ -372,34 +422,28 @@ int attention_site(Step& s, const V41Layer* L, int layer) {
     const float* keys = r->windows[b * L_count + layer];
     const bool global = L->read_store >= 0 && s.entries[b * MAX_STORES + L->read_store] > 0 && s.has_sel[b];
     const float* latents = global ? r->latents[b * MAX_STORES + L->read_store] : nullptr;
-    std::vector<float> p(held + 1 + K + 1), weights;
     std::vector<const float*> values;  // K = V: the window's latents, then the selected entries
     for (long j = 0; j <= held; ++j) values.push_back(keys + j * D);
     for (long j = 0; j < K; ++j)
       if (global && s.sel_valid[b * K + j]) values.push_back(latents + s.sel_idx[b * K + j] * D);
+    const long S = values.size();
     float* qb = q.data() + b * H * D;
     rope(qb, H, D, m->R, m->inv_freq[L->rope], pos, 1.0f);
-    for (long head = 0; head < H; ++head) {
-      const float* qh = qb + head * D;
-      float top = NEG_INF;
-      for (long j = 0; j <= held; ++j) {  // the window: positions pos - held .. pos; distance W and over masked
-        p[j] = held - j >= m->window ? NEG_INF : dot_tree(qh, keys + j * D, D) * scale;
-        top = std::max(top, p[j]);
-      }
-      for (long j = 0; j < K; ++j) {
-        const bool valid = global && s.sel_valid[b * K + j];
-        p[held + 1 + j] = valid ? dot_tree(qh, latents + s.sel_idx[b * K + j] * D, D) * scale : NEG_INF;
-        top = std::max(top, p[held + 1 + j]);
-      }
-      top = std::max(top, p[held + 1 + K] = L->sink[head]);
-      float total = 0.0f;
-      for (long j = 0; j < held + 2 + K; ++j) total += (p[j] = std::exp(p[j] - top));
-      weights.clear();
-      for (long j = 0; j <= held; ++j) weights.push_back(p[j] / total);
-      for (long j = 0; j < K; ++j)
-        if (global && s.sel_valid[b * K + j]) weights.push_back(p[held + 1 + j] / total);
-      weighted_rows(weights.data(), values.data(), values.size(), D, out.data() + b * H * D + head * D);
+    std::vector<float> weights(H * S), dots(H);  // (H, S): each head's scores, then its softmax weights
+    for (long j = 0; j < S; ++j) {  // the window: positions pos - held .. pos; distance W and over masked
+      const bool masked = j <= held && held - j >= m->window;
+      if (!masked) dots_of(qb, H, values[j], D, dots.data());  // every head against the row, read once
+      for (long head = 0; head < H; ++head) weights[head * S + j] = masked ? NEG_INF : dots[head] * scale;
     }
+    for (long head = 0; head < H; ++head) {  // one softmax over [window | selected entries | sink]
+      float* w = weights.data() + head * S;
+      const float top = std::max(*std::max_element(w, w + S), L->sink[head]);
+      float total = 0.0f;
+      for (long j = 0; j < S; ++j) total += (w[j] = std::exp(w[j] - top));
+      total += std::exp(L->sink[head] - top);
+      for (long j = 0; j < S; ++j) w[j] /= total;
+    }
+    weighted_heads(weights.data(), H, values.data(), S, D, out.data() + b * H * D);
     rope(out.data() + b * H * D, H, D, m->R, m->inv_freq[L->rope], pos, -1.0f);
   });
   const long group_in = H * D / G;
