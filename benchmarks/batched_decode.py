@@ -3,10 +3,11 @@
 In-process, on an engine whose decode steps batch through the scheduler's `RowEngine` (the `deepseek_v41`
 family's V41Engine: `step_rows`; the ced family's batching is `ced/batched.py`, timed through the server by
 `serving_throughput`). Row b holds `--context` + 13*b tokens (each its own length) and decodes under adapter
-b mod 4 after its replay. Two variants on copies of the same rows:
+b mod 4 after its replay. Three variants on copies of the same rows:
 
-- serial:  one `engine.step` call per row (what RowEngine did before; the time of B rows is B times one row's);
-- batched: `RowEngine.step`, which runs every row of the step in one pass of the model.
+- serial:  one `engine.step` call per row (the time of B rows is B times one row's);
+- batched: `RowEngine.step`, every row of the step in one native call (ced/deepseek_v41/native.py);
+- batched_torch: the same with the native kernels off: one pass of the torch model (the server's step before).
 
 Each repeat times every (rows, variant) pair in turn, the variants' order alternating, so the machine's drift
 (2 shared cores) hits both; each row carries the 1-minute load average read when it ended.
@@ -17,6 +18,7 @@ Each repeat times every (rows, variant) pair in turn, the variants' order altern
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ced import kernels
 from ced.engines import make_engine
 from ced.row_engine import RowEngine
 
@@ -33,7 +36,7 @@ COLUMNS = ["rows", "variant", "tokens", "tokens_per_s", "tokens_per_s_min", "tok
            "batched_vs_serial", "vs_one_row_serial", "load_1min"]
 ADAPTERS = ("chat", "agent", "coding", "design")
 DEFAULT_MODEL = Path("models/demo-v41/model")
-VARIANTS = ("serial", "batched")
+VARIANTS = ("serial", "batched", "batched_torch")
 
 
 def load_1min() -> float:
@@ -56,13 +59,14 @@ def decode(rows_engine: RowEngine, states: list, adapters: list[str | None], var
     rows = [rows_engine.open(state) for state in states]  # copies: the tensors shared, nothing written into them
     engine, vocab = rows_engine.engine, rows_engine.config.vocab_size
     start = time.perf_counter()
-    for t in range(n_steps):
-        tokens = [(7919 * t + 104729 * b) % vocab for b in range(len(rows))]
-        if variant == "serial":
-            for row, token, adapter in zip(rows, tokens, adapters):
-                engine.step(row.state, token, adapter)
-        else:
-            rows_engine.step(rows, tokens, adapters)
+    with kernels.turned_off() if variant == "batched_torch" else contextlib.nullcontext():
+        for t in range(n_steps):
+            tokens = [(7919 * t + 104729 * b) % vocab for b in range(len(rows))]
+            if variant == "serial":
+                for row, token, adapter in zip(rows, tokens, adapters):
+                    engine.step(row.state, token, adapter)
+            else:
+                rows_engine.step(rows, tokens, adapters)
     return time.perf_counter() - start
 
 

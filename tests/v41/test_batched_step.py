@@ -208,3 +208,13 @@ def test_the_native_step_follows_adapter_changes(engine, tmp_path, random_adapte
     after = engine.step_rows([copy_state(state) for state in states], [1, 2], adapters)
     assert (after[0] - before[0]).abs().max() > 1e-3  # the new weights answer
     run_both(engine, states, adapters, n_steps=3)
+
+
+def test_the_native_steps_wide_paths_match_serial_steps(tmp_path, tiny_v41, random_adapter):
+    """Heads of 64 dims and four indexer heads (the demo's shapes): the kernel's paths that take four heads and 64
+    dims at a time give each row its serial torch logits and state, as v41-tiny's narrower heads do through the
+    plain ones."""
+    config = dataclasses.replace(tiny_v41, head_dim=64, index_n_heads=4)
+    engine = make_engine(config, tmp_path, random_adapter)
+    adapters = [None, "all", "experts", "attn"]
+    run_both(engine, open_rows(engine, [1, 6, 9, 23], adapters), adapters, n_steps=8)
