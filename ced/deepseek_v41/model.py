@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import kernels
 from ..model import top_k_recent
 from ..state import Selection
 from .config import V41Config, V41ConfigError, V41LayerRole
@@ -129,7 +130,13 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Te
 
 def hc_weights(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, config: V41Config) -> tuple[Tensor, Tensor, Tensor]:
     """From streams x (B, T, n, C): pre (B, T, n), post (B, T, n) and comb (B, T, n, n), doubly stochastic after
-    Sinkhorn-Knopp. One projection for all three; in V4.1 `pre` is consumed by the *next* site (lagged)."""
+    Sinkhorn-Knopp. One projection for all three; in V4.1 `pre` is consumed by the *next* site (lagged). Without
+    gradients, in float32 on the CPU, the native kernel computes them (ced/kernels: ~60 small torch operations a
+    site, Sinkhorn's 20 rounds most of them, were most of a short prefill's time), position by position as a decode
+    step does."""
+    if kernels.enabled() and x.dtype == fn.dtype == torch.float32 and x.device.type == "cpu":
+        return kernels.v41_hc_weights(x, fn, base, scale, config.hc_sinkhorn_iters, config.rms_norm_eps,
+                                      config.hc_eps)
     n = config.hc_mult
     flat = x.flatten(2).float()  # (B, T, n*C)
     flat = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)

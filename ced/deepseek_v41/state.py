@@ -42,6 +42,7 @@ class Tail:
 
     def set(self, value: Tensor | None) -> None:
         self._buf, self._start, self._n, self._room, self._view = value, 0, 0 if value is None else value.shape[1], 0, value
+        self._stride = 0  # bytes a position takes in a buffer of its own (reserve)
 
     @property
     def value(self) -> Tensor | None:
@@ -62,13 +63,14 @@ class Tail:
         if keep_n:
             buf[:, :keep_n] = self._buf[:, self._start + self._n - keep_n: self._start + self._n]
         self._buf, self._start, self._n, self._room, self._view = buf, 0, keep_n, capacity - keep_n, None
+        self._stride = buf.stride(1) * buf.element_size()
 
     def place(self, like: Tensor, at_end: bool = False) -> int:
         """The address of the first position held (`at_end`: of position n), with room reserved for one more at
         position n (a native step writes it there, then the caller calls `advance(1)`)."""
-        self.reserve(1, like)
-        at = self._start + (self._n if at_end else 0)
-        return self._buf.data_ptr() + at * self._buf.stride(1) * self._buf.element_size()
+        if self._room < 1 or self._buf is None:
+            self.reserve(1, like)
+        return self._buf.data_ptr() + (self._start + (self._n if at_end else 0)) * self._stride  # a deep copy moves
 
     def advance(self, k: int) -> None:
         """k positions written past the end now belong to the tail (the oldest drop out past `keep`)."""

@@ -175,6 +175,8 @@ def _load() -> ctypes.CDLL | None:
                               _c_long, _ptr, _c_long, _ptr, _ptr, _ptr, _c_long, ctypes.c_float, _ptr]),
         "decode_step": (_c_int, [rows, ctypes.POINTER(StepModel), _ptr, _ptr]),
         "v41_decode_step": (_c_int, [ctypes.POINTER(V41Rows), ctypes.POINTER(V41Model), _ptr, _ptr]),
+        "v41_hc_weights": (None, [_ptr, _c_long, _c_long, _c_long, _ptr, _ptr, _ptr, _c_int, ctypes.c_float,
+                                  ctypes.c_float, _ptr, _ptr, _ptr]),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(lib, name)
@@ -310,3 +312,16 @@ def attend_one(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, positio
                     positions.data_ptr(), window, k_sel.data_ptr(), v_sel.data_ptr(), valid.data_ptr(), K, scale,
                     out.data_ptr())
     return out
+
+
+def v41_hc_weights(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, eps: float,
+                   hc_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The deepseek_v41 mHC weights (ced/deepseek_v41/model.py hc_weights) of streams x (..., n, C): pre and post
+    (..., n), comb (..., n, n), each position as a decode step computes it."""
+    n, C = x.shape[-2:]
+    x = x.contiguous()
+    rows = x.numel() // (n * C)
+    pre, post, comb = x.new_empty(*x.shape[:-1]), x.new_empty(*x.shape[:-1]), x.new_empty(*x.shape[:-1], n)
+    _LIB.v41_hc_weights(x.data_ptr(), rows, n, C, fn.data_ptr(), base.data_ptr(), scale.data_ptr(), iters, eps,
+                        hc_eps, pre.data_ptr(), post.data_ptr(), comb.data_ptr())
+    return pre, post, comb

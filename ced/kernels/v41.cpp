@@ -223,52 +223,60 @@ void top_k(std::vector<std::pair<float, long>>& cand, long k, long* idx, char* v
   }
 }
 
-// hc_weights and hc_expand (model.py) on one row's streams x (hc, C): the site's output `out` (C) spread by post,
-// the streams mixed by comb^T; `pre` (hc) is the pre-mix the next site collapses with.
-void hc_site(const V41Model* m, const float* fn, const float* base, const float* scale, float* x, const float* out,
-             float* pre) {
-  const long n = m->hc, C = m->C, width = n * C;
-  const float r = 1.0f / std::sqrt(dot(x, x, width) / width + m->eps);
-  std::vector<float> mixes((2 + n) * n), comb(n * n), mixed(width);
+// hc_weights (model.py) of one position's streams x (n, C): pre (n), post (n) and the doubly stochastic comb (n, n)
+// after Sinkhorn-Knopp, from the site's projection fn ((2 + n) * n, n * C), base and scale (3).
+void hc_mix(const float* fn, const float* base, const float* scale, const float* x, long n, long C, int iters,
+            float eps, float hc_eps, float* pre, float* post, float* comb) {
+  const long width = n * C;
+  const float r = 1.0f / std::sqrt(dot(x, x, width) / width + eps);
+  std::vector<float> mixes((2 + n) * n);
   dots_of(fn, (2 + n) * n, x, width, mixes.data());
   for (float& mix : mixes) mix *= r;
-  std::vector<float> post(n);
   for (long j = 0; j < n; ++j) {
-    pre[j] = sigmoid(mixes[j] * scale[0] + base[j]) + m->hc_eps;
+    pre[j] = sigmoid(mixes[j] * scale[0] + base[j]) + hc_eps;
     post[j] = 2.0f * sigmoid(mixes[n + j] * scale[1] + base[n + j]);
   }
   for (long i = 0; i < n; ++i) {  // softmax over each row of comb
-    float* row = comb.data() + i * n;
+    float* row = comb + i * n;
     float top = NEG_INF, total = 0.0f;
     for (long j = 0; j < n; ++j) top = std::max(top, row[j] = mixes[2 * n + i * n + j] * scale[2] + base[2 * n + i * n + j]);
     for (long j = 0; j < n; ++j) total += (row[j] = std::exp(row[j] - top));
-    for (long j = 0; j < n; ++j) row[j] = row[j] / total + m->hc_eps;
+    for (long j = 0; j < n; ++j) row[j] = row[j] / total + hc_eps;
   }
   auto normalise_columns = [&] {  // one division per column, not per element: Sinkhorn's 20 rounds add up
     for (long j = 0; j < n; ++j) {
       float sum = 0.0f;
       for (long i = 0; i < n; ++i) sum += comb[i * n + j];
-      const float inverse = 1.0f / (sum + m->hc_eps);
+      const float inverse = 1.0f / (sum + hc_eps);
       for (long i = 0; i < n; ++i) comb[i * n + j] *= inverse;
     }
   };
   normalise_columns();
-  for (int it = 1; it < m->sinkhorn_iters; ++it) {
+  for (int it = 1; it < iters; ++it) {
     for (long i = 0; i < n; ++i) {
       float sum = 0.0f;
       for (long j = 0; j < n; ++j) sum += comb[i * n + j];
-      const float inverse = 1.0f / (sum + m->hc_eps);
+      const float inverse = 1.0f / (sum + hc_eps);
       for (long j = 0; j < n; ++j) comb[i * n + j] *= inverse;
     }
     normalise_columns();
   }
+}
+
+// hc_weights and hc_expand (model.py) on one row's streams x (hc, C): the site's output `out` (C) spread by post,
+// the streams mixed by comb^T; `pre` (hc) is the pre-mix the next site collapses with.
+void hc_site(const V41Model* m, const float* fn, const float* base, const float* scale, float* x, const float* out,
+             float* pre) {
+  const long n = m->hc, C = m->C;
+  std::vector<float> post(n), comb(n * n), mixed(n * C);
+  hc_mix(fn, base, scale, x, n, C, m->sinkhorn_iters, m->eps, m->hc_eps, pre, post.data(), comb.data());
   for (long j = 0; j < n; ++j) {  // stream j: post[j] * out + sum_i comb[i][j] * x[i]
     float* stream = mixed.data() + j * C;
     for (long i = 0; i < n; ++i)
       for (long c = 0; c < C; ++c) stream[c] = (i ? stream[c] : 0.0f) + comb[i * n + j] * x[i * C + c];
     for (long c = 0; c < C; ++c) stream[c] = post[j] * out[c] + stream[c];
   }
-  std::memcpy(x, mixed.data(), width * sizeof(float));
+  std::memcpy(x, mixed.data(), n * C * sizeof(float));
 }
 
 // sum_j pre[j] * x[j] over the hc streams of each row, then the RMSNorm of weight `norm`: (B, C).
@@ -566,6 +574,19 @@ int v41_decode_step(const V41Rows* r, const V41Model* m, const long* tokens, flo
   std::vector<float> h(B * C), xn(B * C);
   collapse_norm(m, B, s.x.data(), s.pre.data(), m->final_norm, h.data(), xn.data());
   return linear(m->head, xn.data(), C, B, nullptr, logits, m->vocab);
+}
+
+}  // extern "C"
+
+extern "C" {
+
+// hc_weights (model.py) of `rows` positions' streams x (rows, n, C): pre and post (rows, n), comb (rows, n, n); each
+// position's the same bits as in a decode step, whatever the number of rows (prefill and replay chunks take it).
+void v41_hc_weights(const float* x, long rows, long n, long C, const float* fn, const float* base,
+                    const float* scale, int iters, float eps, float hc_eps, float* pre, float* post, float* comb) {
+  kernels::parallel_for(rows, rows > 1, [&](long t) {
+    hc_mix(fn, base, scale, x + t * n * C, n, C, iters, eps, hc_eps, pre + t * n, post + t * n, comb + t * n * n);
+  });
 }
 
 }  // extern "C"

@@ -218,3 +218,20 @@ def test_the_native_steps_wide_paths_match_serial_steps(tmp_path, tiny_v41, rand
     engine = make_engine(config, tmp_path, random_adapter)
     adapters = [None, "all", "experts", "attn"]
     run_both(engine, open_rows(engine, [1, 6, 9, 23], adapters), adapters, n_steps=8)
+
+
+def test_native_steps_write_only_their_own_state(engine):
+    """The native step writes into each row's tails in place: a deep copy or a copy_state of a conversation steps
+    on its own (into its own room), with the logits the original then gets for the same tokens, and leaves the
+    original's tensors as they were."""
+    import copy
+
+    original = open_rows(engine, [9], ["all"])[0]
+    before = {name: None if t is None else t.clone() for name, t in state_tensors(original).items()}
+    twins = [copy.deepcopy(original), copy_state(original)]
+    runs = [[engine.step(twin, token, "all") for token in (3, 4, 5)] for twin in twins]
+    for name, tensor in state_tensors(original).items():
+        assert (tensor is None and before[name] is None) or torch.equal(tensor, before[name]), name
+    expected = [engine.step(original, token, "all") for token in (3, 4, 5)]
+    for run in runs:
+        assert all(torch.equal(a, b) for a, b in zip(run, expected, strict=True))
