@@ -117,10 +117,13 @@ class RowEngine:
 
 
 def _tensors(*parts: Any) -> Iterator[Tensor]:
-    """Every tensor a state's parts hold (dataclasses, dicts and lists of them), whatever the family."""
+    """Every tensor a state's parts hold (dataclasses, dicts and lists of them, objects that list their own with
+    `tensors()`), whatever the family."""
     for part in parts:
         if isinstance(part, Tensor):
             yield part
+        elif callable(getattr(part, "tensors", None)):  # what holds its tensors in tails (the deepseek_v41 family)
+            yield from part.tensors()
         elif dataclasses.is_dataclass(part):
             yield from _tensors(*(getattr(part, f.name) for f in dataclasses.fields(part)))
         elif isinstance(part, dict):

@@ -238,7 +238,8 @@ def test_a_row_engine_fork_is_a_conversation_of_its_own(engine):
     rows_engine.prefill_rows([row], [tokens(13, 11)])
     rows_engine.replay([row], ["all"])
     fork = rows_engine.fork(row, keep_bound=True)
-    # shared until one of them grows: counted once, as the prefix cache needs
+    # shared until one of them grows: counted once, as the prefix cache needs; every tensor's storage counted
+    assert rows_engine.unshared_nbytes([row]) >= sum(row.state.nbytes().values()) > 8 * row.length
     assert rows_engine.unshared_nbytes([row, fork]) == rows_engine.unshared_nbytes([row]) + 8 * fork.length
     twin = rows_engine.open(rows_engine.export(row))
     before = shared_tensors(fork.state)
