@@ -44,10 +44,10 @@ class V41Plan:
             "latent": torch.empty(1, 1, c.head_dim, dtype=f), "key": torch.empty(1, 1, c.index_head_dim, dtype=f),
             "input": torch.empty(1, 1, c.hidden_size, dtype=f),
             "stream": torch.empty(1, 1, c.hc_mult, c.hidden_size, dtype=f), "pre": torch.empty(1, 1, c.hc_mult, dtype=f),
-            "sel_idx": torch.empty(1, 1, c.index_topk, dtype=long_),
-            "sel_valid": torch.empty(1, 1, c.index_topk, dtype=bool_),
-            "pool_idx": torch.empty(1, 1, c.candidate_topk_blocks, dtype=long_),
-            "pool_valid": torch.empty(1, 1, c.candidate_topk_blocks, dtype=bool_)}
+            "selection.idx": torch.empty(1, 1, c.index_topk, dtype=long_),
+            "selection.valid": torch.empty(1, 1, c.index_topk, dtype=bool_),
+            "pool.idx": torch.empty(1, 1, c.candidate_topk_blocks, dtype=long_),
+            "pool.valid": torch.empty(1, 1, c.candidate_topk_blocks, dtype=bool_)}
         self.no_inputs = torch.empty(1, 0, c.hidden_size, dtype=f)  # a store's pending group once it completes
 
     def model_struct(self) -> kernels.V41Model | None:
@@ -160,54 +160,50 @@ class V41Plan:
         struct = self.model_struct()
         if struct is None:
             return None
-        config, S, E = self.config, kernels.MAX_STORES, self.config.decoder_start
-        L, P = config.num_hidden_layers, config.candidate_topk_blocks
-        like = self.like
         order = tuple(self.adapter_set.names)
         slots = [-1 if name is None else order.index(name) for name in adapters]
-        source = config.roles[E].kv_source  # a row keeps layer E's choices once this store has an entry
-        windows, window_n = [0] * (B * L), [0] * (B * L)
-        latents, keys, n_entries, pending = [0] * (B * S), [0] * (B * S), [0] * (B * S), [0] * (B * S)
-        stream, pre, sel_idx, sel_valid, pool_idx, pool_valid = ([0] * B for _ in range(6))
-        tails = []  # (tail, completes) to advance after the call
-        for b, state in enumerate(states):
-            shared, position = state.shared, state.length
-            for layer in range(L):
-                window = (shared.windows if layer <= E else state.bound.windows)[layer]
-                windows[b * L + layer], window_n[b * L + layer] = window.tail.place(like["latent"]), len(window)
-            for layer, s in self.stores.items():
-                store, i = shared.stores[layer], b * S + s
-                if store.ratio > 1 and len(store.inputs) != position % store.ratio:
-                    return None  # a pending group out of step with the position: let torch's path say so
-                latents[i], keys[i] = store.latents.place(like["latent"]), store.keys.place(like["key"])
-                n_entries[i] = store.n_entries
-                pending[i] = store.inputs.place(like["input"]) if store.ratio > 1 else 0
-            tails_of = shared.tails
-            end = lambda name, like_name: tails_of[name].place(like[like_name], at_end=True)  # noqa: E731
-            stream[b], pre[b] = end("stream", "stream"), end("pre", "pre")
-            kept = ["stream", "pre"]
-            if source is not None and (position + 1) // config.compress_ratios[source] > 0:
-                sel_idx[b], sel_valid[b] = end("selection.idx", "sel_idx"), end("selection.valid", "sel_valid")
-                kept += ["selection.idx", "selection.valid"]
-                if P:
-                    pool_idx[b], pool_valid[b] = end("pool.idx", "pool_idx"), end("pool.valid", "pool_valid")
-                    kept += ["pool.idx", "pool.valid"]
-            tails.append(kept)
-        arrays = dict(positions=[state.length for state in states], lora_slots=slots, windows=windows,
-                      window_n=window_n, latents=latents, keys=keys, n_entries=n_entries, pending=pending,
-                      stream=stream, pre=pre, sel_idx=sel_idx, sel_valid=sel_valid, pool_idx=pool_idx,
-                      pool_valid=pool_valid)
-        held = {name: (ctypes.c_long * len(values))(*values) for name, values in arrays.items()}
+        places = RowPlaces(B, self.config.num_hidden_layers)
+        kept = [self._place(places, b, state) for b, state in enumerate(states)]  # each row's replay tails written
+        if None in kept:
+            return None
+        places.arrays["positions"], places.arrays["lora_slots"] = [state.length for state in states], slots
+        held = {name: (ctypes.c_long * len(values))(*values) for name, values in places.arrays.items()}
         rows = kernels.V41Rows(B=B, **{name: ctypes.addressof(array) for name, array in held.items()})
         if all(slot < 0 for slot in slots):
-            rows.lora_slots = None
+            rows.lora_slots = None  # no row has an adapter: no LoRA anywhere
         ids = (ctypes.c_long * B)(*tokens)
-        logits = torch.empty(B, config.vocab_size)
+        logits = torch.empty(B, self.config.vocab_size)
         kernels.check(kernels.library().v41_decode_step(ctypes.byref(rows), ctypes.byref(struct), ids,
                                                         logits.data_ptr()))
-        for state, token, kept in zip(states, tokens, tails):
-            self._advance(state, token, kept)
+        for state, token, names in zip(states, tokens, kept):
+            self._advance(state, token, names)
         return logits
+
+    def _place(self, places: "RowPlaces", b: int, state: V41ConversationState) -> list[str] | None:
+        """Row b's places in `places` (room reserved in each tail the kernel writes); returns the names of the
+        replay tails it writes, or None where its state is not one the kernel can step."""
+        config, like, E, S, L = self.config, self.like, self.config.decoder_start, kernels.MAX_STORES, places.L
+        shared, position, arrays = state.shared, state.length, places.arrays
+        for layer in range(L):
+            window = (shared.windows if layer <= E else state.bound.windows)[layer]
+            arrays["windows"][b * L + layer] = window.tail.place(like["latent"])
+            arrays["window_n"][b * L + layer] = len(window)
+        for layer, s in self.stores.items():
+            store, i = shared.stores[layer], b * S + s
+            if store.ratio > 1 and len(store.inputs) != position % store.ratio:
+                return None  # a pending group out of step with the position: let torch's path say so
+            arrays["latents"][i], arrays["keys"][i] = store.latents.place(like["latent"]), store.keys.place(like["key"])
+            arrays["n_entries"][i] = store.n_entries
+            arrays["pending"][i] = store.inputs.place(like["input"]) if store.ratio > 1 else 0
+        kept = ["stream", "pre"]
+        source = config.roles[E].kv_source  # a row keeps layer E's choices once this store has an entry
+        if source is not None and (position + 1) // config.compress_ratios[source] > 0:
+            kept += ["selection.idx", "selection.valid"]
+            if config.candidate_topk_blocks:
+                kept += ["pool.idx", "pool.valid"]
+        for name in kept:  # where this position's row of each replay tail goes
+            arrays[name.replace(".", "_")][b] = shared.tails[name].place(like[name], at_end=True)
+        return kept
 
     def _advance(self, state: V41ConversationState, token: int, kept: list[str]) -> None:
         """The places the kernel wrote now belong to the row's tails; the token joins the conversation."""
@@ -224,3 +220,15 @@ class V41Plan:
         for name in kept:
             shared.tails[name].advance(1)
         shared.tokens.append(token)
+
+
+class RowPlaces:
+    """The addresses and counts a step's V41Rows points at, by field name (each a flat list: (B, L) windows,
+    (B, MAX_STORES) stores, (B) replay tails; 0 where a row has nothing there)."""
+
+    def __init__(self, B: int, L: int):
+        self.L, S = L, kernels.MAX_STORES
+        self.arrays = {name: [0] * (B * L) for name in ("windows", "window_n")}
+        self.arrays |= {name: [0] * (B * S) for name in ("latents", "keys", "n_entries", "pending")}
+        self.arrays |= {name: [0] * B for name in ("stream", "pre", "selection_idx", "selection_valid", "pool_idx",
+                                                   "pool_valid")}

@@ -148,7 +148,7 @@ class V41Rows(ctypes.Structure):
 
     _fields_ = [("B", _c_int), *((name, _ptr) for name in (
         "positions", "lora_slots", "windows", "window_n", "latents", "keys", "n_entries", "pending", "stream", "pre",
-        "sel_idx", "sel_valid", "pool_idx", "pool_valid"))]
+        "selection_idx", "selection_valid", "pool_idx", "pool_valid"))]
 
 
 def _load() -> ctypes.CDLL | None:

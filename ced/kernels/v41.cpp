@@ -70,8 +70,8 @@ struct V41Rows {
   float* const* pending;   // (B, MAX_STORES): the inputs of the group in progress (position % ratio of them), then room
   float* const* stream;    // (B): where this position's layer-E streams (hc, C) go
   float* const* pre;       // (B): ... and its pre-mix (hc)
-  long* const* sel_idx;    // (B): ... its top-k (index_topk), or null: not kept
-  bool* const* sel_valid;
+  long* const* selection_idx;  // (B): ... its top-k (index_topk), or null: not kept
+  bool* const* selection_valid;
   long* const* pool_idx;   // (B): ... its candidate pool (cand_blocks), or null
   bool* const* pool_valid;
 };
@@ -562,8 +562,9 @@ int v41_decode_step(const V41Rows* r, const V41Model* m, const long* tokens, flo
       for (int b = 0; b < B; ++b) {
         std::memcpy(r->stream[b], s.x.data() + b * n * C, n * C * sizeof(float));
         std::memcpy(r->pre[b], s.pre.data() + b * n, n * sizeof(float));
-        if (r->sel_idx[b])
-          for (long j = 0; j < K; ++j) r->sel_idx[b][j] = s.sel_idx[b * K + j], r->sel_valid[b][j] = s.sel_valid[b * K + j];
+        if (r->selection_idx[b])
+          for (long j = 0; j < K; ++j)
+            r->selection_idx[b][j] = s.sel_idx[b * K + j], r->selection_valid[b][j] = s.sel_valid[b * K + j];
         if (r->pool_idx[b])
           for (long j = 0; j < P; ++j)
             r->pool_idx[b][j] = s.pool_idx[b * P + j], r->pool_valid[b][j] = s.pool_valid[b * P + j];
