@@ -58,6 +58,9 @@ def test_each_row_adds_its_own_slots_lora_and_a_row_without_one_keeps_the_base_b
 
 @torch.inference_mode()
 def test_swiglu_block_and_rms_norm_match_torch():
+    """Within float tolerance of the block's largest output (sums of ~50 terms of magnitude ~10 cancel: a small
+    output may differ by 1e-3 in another summation order; with unseeded inputs 5 % of runs failed an absolute 1e-4)."""
+    torch.manual_seed(0)
     C, Fh, r, eps = 32, 48, 4, 1e-5
     w = [torch.randn(C, Fh), torch.randn(C, Fh), torch.randn(Fh, C)]
     loras = [(torch.randn(2, r, n_in), torch.randn(2, n_out, r)) for n_in, n_out in ((C, Fh), (C, Fh), (Fh, C))]
@@ -77,7 +80,7 @@ def test_swiglu_block_and_rms_norm_match_torch():
     for row in range(3):
         n = normed[row]
         expected = x[row] + linear(F.silu(linear(n, 0, row)) * linear(n, 1, row), 2, row)
-        torch.testing.assert_close(got[row], expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[row], expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
 
 
 @torch.inference_mode()
