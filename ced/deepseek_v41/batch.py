@@ -110,7 +110,7 @@ def step_rows(model: DeepseekV41ForCausalLM, states: list[V41ConversationState],
         # a row whose source has no entries yet kept no choice, as a step alone would not have made one
         has = source is not None and state.shared.stores[source].n_entries > 0
         state.shared.keep(out.stream[b: b + 1], out.pre[b: b + 1], _row(out.selection, b) if has else None,
-                          _row(out.pool, b) if has else None, config.sliding_window)
+                          _row(out.pool, b) if has else None)
         state.shared.tokens.append(token)
     decoder = RowsCache([V41Cache(s.bound.windows, {E: s.shared.stores[E]}, start)
                          for s, start in zip(states, starts)])

@@ -44,7 +44,7 @@ class V41Conversation:
         """The shared stage over new tokens: encoder windows, global KV, layer E's streams for the last W."""
         ids = torch.tensor([tokens], dtype=torch.long)
         out = self.model.run_shared(ids, self.length, self.shared.windows, self.shared.stores)
-        self.shared.keep(out.stream, out.pre, out.selection, out.pool, self.model.config.sliding_window)
+        self.shared.keep(out.stream, out.pre, out.selection, out.pool)
         self.shared.tokens.extend(tokens)
         return out
 

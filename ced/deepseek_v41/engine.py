@@ -61,7 +61,7 @@ class V41Engine:
         shared = state.shared
         ids = torch.tensor([tokens], device=self.model.embed.weight.device)  # (1, T)
         out = self.model.run_shared(ids, shared.length, shared.windows, shared.stores)
-        shared.keep(out.stream, out.pre, out.selection, out.pool, self.config.sliding_window)
+        shared.keep(out.stream, out.pre, out.selection, out.pool)
         shared.tokens.extend(tokens)
         return out
 

@@ -238,9 +238,8 @@ class V41SharedState:
     def length(self) -> int:
         return len(self.tokens)
 
-    def keep(self, stream: Tensor, pre: Tensor, selection: Selection | None, pool: Selection | None,
-             window: int) -> None:
-        """Append one call's layer-E outputs, keeping the last `window` positions (the tails' own bound)."""
+    def keep(self, stream: Tensor, pre: Tensor, selection: Selection | None, pool: Selection | None) -> None:
+        """Append one call's layer-E outputs; the tails keep the last W positions."""
         self.tails["stream"].append(stream)
         self.tails["pre"].append(pre)
         for name, new in (("selection", selection), ("pool", pool)):

@@ -243,24 +243,18 @@ void hc_mix(const float* fn, const float* base, const float* scale, const float*
     for (long j = 0; j < n; ++j) total += (row[j] = std::exp(row[j] - top));
     for (long j = 0; j < n; ++j) row[j] = row[j] / total + hc_eps;
   }
-  auto normalise_columns = [&] {  // one division per column, not per element: Sinkhorn's 20 rounds add up
-    for (long j = 0; j < n; ++j) {
+  // Sinkhorn-Knopp: each column (then row, column, ...) of comb over its sum + hc_eps, one division per line
+  auto normalise = [&](bool rows) {
+    const long line = rows ? n : 1, step = rows ? 1 : n;
+    for (long k = 0; k < n; ++k) {
       float sum = 0.0f;
-      for (long i = 0; i < n; ++i) sum += comb[i * n + j];
+      for (long e = 0; e < n; ++e) sum += comb[k * line + e * step];
       const float inverse = 1.0f / (sum + hc_eps);
-      for (long i = 0; i < n; ++i) comb[i * n + j] *= inverse;
+      for (long e = 0; e < n; ++e) comb[k * line + e * step] *= inverse;
     }
   };
-  normalise_columns();
-  for (int it = 1; it < iters; ++it) {
-    for (long i = 0; i < n; ++i) {
-      float sum = 0.0f;
-      for (long j = 0; j < n; ++j) sum += comb[i * n + j];
-      const float inverse = 1.0f / (sum + hc_eps);
-      for (long j = 0; j < n; ++j) comb[i * n + j] *= inverse;
-    }
-    normalise_columns();
-  }
+  normalise(false);
+  for (int it = 1; it < iters; ++it) normalise(true), normalise(false);
 }
 
 // hc_weights and hc_expand (model.py) on one row's streams x (hc, C): the site's output `out` (C) spread by post,
