@@ -62,9 +62,9 @@ class V41Plan:
 
     # -- building ---------------------------------------------------------------------------------------------
 
-    def _specs(self, module: nn.Module, names: tuple[str, ...], rank: int, keep: list) -> ctypes.Array:
-        """One LinearSpec per group of `module` (one for a plain linear), with the LoRA slots of `names` where
-        one of them adapts it."""
+    def _specs(self, module: nn.Module, names: tuple[str, ...], rank: int, keep: list):
+        """A pointer to one LinearSpec per group of `module` (one for a plain linear), with the LoRA slots of
+        `names` where one of them adapts it."""
         groups = getattr(module, "groups", None) or 1
         weight = module.weight.detach()
         out = weight.shape[0] // groups
@@ -91,12 +91,11 @@ class V41Plan:
             used = torch.tensor([pair is not None for pair in lora])
             keep += [a, b, used]
             specs.append(kernels.LinearSpec.of(panels[g], weight.shape[1], out, (a, b, rank), used))
-        array = (kernels.LinearSpec * len(specs))(*specs)
-        keep.append(array)
-        return ctypes.cast(array, ctypes.POINTER(kernels.LinearSpec))
+        return self._array(specs, keep)
 
     @staticmethod
     def _array(specs: list, keep: list):
+        """A pointer to the specs as one C array, kept alive in `keep`."""
         array = (kernels.LinearSpec * len(specs))(*specs)
         keep.append(array)
         return ctypes.cast(array, ctypes.POINTER(kernels.LinearSpec))
