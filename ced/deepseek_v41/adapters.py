@@ -239,7 +239,9 @@ class V41AdapterSet:
         if name is not None and name not in self.names:
             raise UnknownAdapterError(f"unknown adapter {name!r} (loaded: {', '.join(sorted(self.names)) or 'none'})")
         for module in self.modules.values():
-            module.active = name
+            # a plain attribute, set past nn.Module.__setattr__'s checks: every prefill and replay sets it in each
+            # of the wrapped modules (123 on the V4.1 demo), twice
+            module.__dict__["active"] = name
 
     @contextmanager
     def use_rows(self, names: list[str | None]) -> Iterator[None]:
