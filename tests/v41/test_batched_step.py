@@ -235,3 +235,13 @@ def test_native_steps_write_only_their_own_state(engine):
     expected = [engine.step(original, token, "all") for token in (3, 4, 5)]
     for run in runs:
         assert all(torch.equal(a, b) for a, b in zip(run, expected, strict=True))
+
+
+def test_a_step_of_many_rows_is_one_native_call(engine, monkeypatch):
+    """40 rows (more than the ced family's kernel takes) are still one call, each row as its serial torch step."""
+    calls = []
+    library, step = kernels.library(), kernels.library().v41_decode_step
+    monkeypatch.setattr(library, "v41_decode_step", lambda *args: calls.append(1) or step(*args))
+    adapters = [[None, "all", "experts", "attn"][b % 4] for b in range(40)]
+    run_both(engine, open_rows(engine, [1 + b % 13 for b in range(40)], adapters), adapters, n_steps=2)
+    assert len(calls) == 2
