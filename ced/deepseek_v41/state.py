@@ -92,13 +92,7 @@ class LatentWindow:
     def __init__(self, size: int, kv: Tensor | None = None):
         self.size, self.tail = size, Tail(size, kv)
 
-    @property
-    def kv(self) -> Tensor | None:
-        return self.tail.value
-
-    @kv.setter
-    def kv(self, value: Tensor | None) -> None:
-        self.tail.set(value)
+    kv = property(lambda self: self.tail.value, lambda self, value: self.tail.set(value))
 
     def __len__(self) -> int:
         return len(self.tail)
@@ -125,14 +119,7 @@ class LatentStore:
 
     latent = property(lambda self: self.latents.value)
     index_keys = property(lambda self: self.keys.value)
-
-    @property
-    def pending(self) -> Tensor | None:
-        return self.inputs.value
-
-    @pending.setter
-    def pending(self, value: Tensor | None) -> None:
-        self.inputs.set(value)
+    pending = property(lambda self: self.inputs.value, lambda self, value: self.inputs.set(value))
 
     @property
     def n_entries(self) -> int:
@@ -295,14 +282,10 @@ class V41ConversationState:
 
     def tensors(self) -> Iterator[Tensor]:
         """Every tensor the state holds (what a byte count that counts shared storage once walks): the shared
-        windows, then the bound ones, the stores, stream, pre and the choices."""
-        shared = self.shared
-        yield from (w.kv for w in [*shared.windows.values(), *self.bound.windows.values()] if w.kv is not None)
-        for store in shared.stores.values():
-            yield from store.tensors()
-        yield from (t for t in (shared.stream, shared.pre) if t is not None)
-        for choice in (shared.selection, shared.pool):
-            yield from () if choice is None else (choice.idx, choice.valid)
+        state's, then the adapter-bound windows."""
+        yield from self.shared.tensors()
+        for window in self.bound.windows.values():
+            yield from window.tensors()
 
 
 def empty_state(config: V41Config) -> V41ConversationState:

@@ -419,7 +419,7 @@ int attention_site(Step& s, const V41Layer* L, int layer) {
   const long C = m->C, H = m->H, D = m->D, Q = m->Q, G = m->G, n = m->hc;
   const long Ro = L->wo_a[0].out, L_count = m->n_layers;
   std::vector<float> h(B * C), xn(B * C), qa(B * Q), q_res(B * Q), kv(B * D), q(B * H * D), out(B * H * D),
-      grouped(B * G * Ro), y(B * C), next_pre(B * n);
+      grouped(B * G * Ro), y(B * C);
   collapse_norm(m, B, s.x.data(), s.pre.data(), L->attn_norm, h.data(), xn.data());
   if (linear(L->wq_a, xn.data(), C, B, r->lora_slots, qa.data(), Q) ||
       linear(L->wkv, xn.data(), C, B, r->lora_slots, kv.data(), D))
@@ -587,10 +587,6 @@ int v41_decode_step(const V41Rows* r, const V41Model* m, const long* tokens, flo
   collapse_norm(m, B, s.x.data(), s.pre.data(), m->final_norm, h.data(), xn.data());
   return linear(m->head, xn.data(), C, B, nullptr, logits, m->vocab);
 }
-
-}  // extern "C"
-
-extern "C" {
 
 // hc_weights (model.py) of `rows` positions' streams x (rows, n, C): pre and post (rows, n), comb (rows, n, n); each
 // position's the same bits as in a decode step, whatever the number of rows (prefill and replay chunks take it).
