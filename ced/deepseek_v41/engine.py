@@ -73,10 +73,11 @@ class V41Engine:
         streams pooled over the mHC axis (mean of the hc_mult streams): what the router reads."""
         tokens = check_tokens(self.config, state.length, tokens)
         h19 = []
-        with self._using(None):
+        with self._using(None), kernels.step_threads(self.free_cpus, len(self.free_cpus.cpus)):
             for start in range(0, len(tokens), self.prefill_chunk):
-                out = self._shared_stage(state, tokens[start: start + self.prefill_chunk])
-                h19.append(out.h19[0].mean(dim=1))  # (n, hc, C) -> (n, C)
+                chunk = tokens[start: start + self.prefill_chunk]
+                native = self.native.prefill(state, chunk)
+                h19.append(native if native is not None else self._shared_stage(state, chunk).h19[0].mean(dim=1))
         self.stats.prefilled_positions += len(tokens)
         return torch.cat(h19)
 
@@ -88,12 +89,18 @@ class V41Engine:
             raise StateError("nothing to replay: the conversation is empty")
         self.adapters.slot_of(adapter)  # an unknown adapter fails here, before the state is touched
         shared, n = state.shared, min(self.config.sliding_window, state.length)
-        last = lambda c: None if c is None else Selection(c.idx[:, -n:], c.valid[:, -n:])  # noqa: E731
-        out = SharedOutput(None, shared.stream[:, -n:], shared.pre[:, -n:], last(shared.selection), last(shared.pool))
-        windows = self.model.new_windows(self.config.adapter_bound_layers)
-        with self._using(adapter):
-            hidden = self.model.run_decoder(out, state.length - n, windows, shared.stores, last_only=True)
-            logits = self.model.logits(hidden)[0, -1]
+        with kernels.step_threads(self.free_cpus, len(self.free_cpus.cpus)):
+            native = self.native.replay(state, adapter, n)
+        if native is not None:
+            logits, windows = native
+        else:
+            last = lambda c: None if c is None else Selection(c.idx[:, -n:], c.valid[:, -n:])  # noqa: E731
+            out = SharedOutput(None, shared.stream[:, -n:], shared.pre[:, -n:], last(shared.selection),
+                               last(shared.pool))
+            windows = self.model.new_windows(self.config.adapter_bound_layers)
+            with self._using(adapter):
+                hidden = self.model.run_decoder(out, state.length - n, windows, shared.stores, last_only=True)
+                logits = self.model.logits(hidden)[0, -1]
         state.bound = V41AdapterState(adapter, windows, state.length, self.adapters.digest(adapter))
         self.stats.replayed_positions += n
         return logits, n

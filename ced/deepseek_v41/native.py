@@ -24,6 +24,7 @@ from .model import DeepseekV41ForCausalLM
 from .state import V41ConversationState
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
+_CHOICES = ("selection.idx", "selection.valid", "pool.idx", "pool.valid")
 
 
 class V41Plan:
@@ -149,14 +150,15 @@ class V41Plan:
 
     # -- a step ---------------------------------------------------------------------------------------------------
 
+    def _struct(self) -> kernels.V41Model | None:
+        return self.model_struct() if kernels.enabled() else None
+
     def step(self, states: list[V41ConversationState], tokens: list[int], adapters: list[str | None]) -> Tensor | None:
         """Next-token logits (B, V) of `tokens` (one per row, checked by the caller) appended to `states`, each
         row under its adapter; every row's state advanced as the torch step advances it. None where the kernel
         cannot take the step (the caller runs the torch path)."""
         B = len(states)
-        if not kernels.enabled():  # any number of rows (48 rows of the demo: 13.0 ms a step, the torch pass 48.7)
-            return None
-        struct = self.model_struct()
+        struct = self._struct()  # any number of rows (48 rows of the demo: 13.0 ms a step, the torch pass 48.7)
         if struct is None:
             return None
         order = tuple(self.adapter_set.names)
@@ -166,8 +168,7 @@ class V41Plan:
         if None in kept:
             return None
         places.arrays["positions"], places.arrays["lora_slots"] = [state.length for state in states], slots
-        held = {name: (ctypes.c_long * len(values))(*values) for name, values in places.arrays.items()}
-        rows = kernels.V41Rows(B=B, **{name: ctypes.addressof(array) for name, array in held.items()})
+        rows = places.rows(B)
         if all(slot < 0 for slot in slots):
             rows.lora_slots = None  # no row has an adapter: no LoRA anywhere
         ids = (ctypes.c_long * B)(*tokens)
@@ -177,6 +178,119 @@ class V41Plan:
         for state, token, names in zip(states, tokens, kept):
             self._advance(state, token, names)
         return logits
+
+    def prefill(self, state: V41ConversationState, tokens: list[int]) -> Tensor | None:
+        """H19 (T, C) of `tokens` appended to `state` through the adapter-free sites (layers 0..E-1 and layer E's
+        attention), the tokens as the rows of one call: each row's places are its own position's in the same tails,
+        so the state is what the tokens one decode step at a time would write (bitwise: a row's arithmetic does
+        not depend on the other rows). None where the kernel cannot take the chunk (the caller runs torch's)."""
+        struct = self._struct()
+        if struct is None or not tokens:
+            return None
+        config, like, E, S, L = self.config, self.like, self.config.decoder_start, kernels.MAX_STORES, \
+            self.config.num_hidden_layers
+        T, shared, start = len(tokens), state.shared, state.length
+        places = RowPlaces(T, L)
+        arrays = places.arrays
+        for layer in range(E + 1):
+            tail = shared.windows[layer].tail
+            tail.reserve(T, like["latent"])
+            first, held = tail.place(like["latent"]), len(tail)
+            for t in range(T):
+                arrays["windows"][t * L + layer], arrays["window_n"][t * L + layer] = first, held + t
+        groups = {}  # ratio >= 2: each group the chunk touches, in a buffer of its own (none handed out is written)
+        for layer, s in self.stores.items():
+            store, ratio = shared.stores[layer], shared.stores[layer].ratio
+            if store.n_entries != start // ratio or (ratio > 1 and len(store.inputs) != start % ratio):
+                return None  # not a state the positions describe: let torch's path say so
+            new = (start + T) // ratio - start // ratio  # entries the chunk completes
+            if new:
+                store.latents.reserve(new, like["latent"])
+                store.keys.reserve(new, like["key"])
+            latents_at, keys_at = (store.latents.place(like["latent"]), store.keys.place(like["key"])) if new else (
+                _address(store.latent), _address(store.index_keys))  # none written: where the entries are, if any
+            if ratio > 1:
+                groups[layer] = torch.zeros(new + 1, ratio, config.hidden_size)
+                if start % ratio:
+                    groups[layer][0, : start % ratio] = store.pending[0]
+            for t in range(T):
+                i, position = t * S + s, start + t
+                arrays["latents"][i], arrays["keys"][i], arrays["n_entries"][i] = latents_at, keys_at, position // ratio
+                if ratio > 1:
+                    arrays["pending"][i] = groups[layer][position // ratio - start // ratio].data_ptr()
+        source = config.roles[E].kv_source
+        chosen_from = 0 if source is None else max(0, config.compress_ratios[source] - 1 - start)  # first row with an entry
+        kept = {"stream": T, "pre": T}
+        if source is not None and chosen_from < T:
+            kept |= {"selection.idx": T - chosen_from, "selection.valid": T - chosen_from}
+            if config.candidate_topk_blocks:
+                kept |= {"pool.idx": T - chosen_from, "pool.valid": T - chosen_from}
+        for name, count in kept.items():
+            at = shared.tails[name].next_places(count, like[name])
+            arrays[name.replace(".", "_")] = [0] * (T - count) + at
+        arrays["positions"], arrays["lora_slots"] = list(range(start, start + T)), [-1] * T
+        rows = places.rows(T)
+        rows.lora_slots = None  # adapter-free
+        h19 = torch.empty(T, config.hidden_size)
+        ids = (ctypes.c_long * T)(*tokens)
+        kernels.check(kernels.library().v41_run(ctypes.byref(rows), ctypes.byref(struct), ids, 0, 2 * E + 1,
+                                                h19.data_ptr(), None, T))
+        for layer in range(E + 1):
+            shared.windows[layer].tail.advance(T)
+        for layer in self.stores:
+            store = shared.stores[layer]
+            store.latents.advance((start + T) // store.ratio - start // store.ratio)
+            store.keys.advance((start + T) // store.ratio - start // store.ratio)
+            rest = (start + T) % store.ratio  # the inputs of a group still pending, as torch's path keeps them
+            store.pending = groups[layer][-1:, :rest] if rest else self.no_inputs
+        for name, count in kept.items():
+            shared.tails[name].advance(count)
+        shared.tokens.extend(tokens)
+        return h19
+
+    def replay(self, state: V41ConversationState, adapter: str | None, n: int) -> tuple[Tensor, dict] | None:
+        """The next-token logits (V,) and new adapter-bound windows of the last `n` positions replayed under
+        `adapter` (layer E's FFN and layers E+1..L-1 from the layer-E streams, pre-mix and choices the shared state
+        keeps), the positions as the rows of one call. None where the kernel cannot take it."""
+        struct = self._struct()
+        if struct is None:
+            return None
+        config, like, E, S, L = self.config, self.like, self.config.decoder_start, kernels.MAX_STORES, \
+            self.config.num_hidden_layers
+        shared, start = state.shared, state.length - n
+        places = RowPlaces(n, L)
+        arrays = places.arrays
+        windows = self.model.new_windows(config.adapter_bound_layers)
+        for layer, window in windows.items():
+            window.tail.reserve(n, like["latent"])
+            first = window.tail.place(like["latent"])
+            for t in range(n):
+                arrays["windows"][t * L + layer], arrays["window_n"][t * L + layer] = first, t
+        for layer, s in self.stores.items():  # entries as each position saw them (the decoder reads layer E's)
+            store = shared.stores[layer]
+            latents_at, keys_at = _address(store.latent), _address(store.index_keys)
+            for t in range(n):
+                i = t * S + s
+                arrays["latents"][i], arrays["keys"][i] = latents_at, keys_at
+                arrays["n_entries"][i] = (start + t + 1) // store.ratio
+        for name in ("stream", "pre", *_CHOICES):
+            value = shared.tails[name].value
+            held = 0 if value is None else value.shape[1]  # choices: kept from a row's first entry on
+            if name in ("stream", "pre") and held < n:
+                return None
+            arrays[name.replace(".", "_")] = [0 if t < n - held else value[0, held - n + t].data_ptr()
+                                              for t in range(n)]
+        slot = -1 if adapter is None else tuple(self.adapter_set.names).index(adapter)
+        arrays["positions"], arrays["lora_slots"] = list(range(start, start + n)), [slot] * n
+        rows = places.rows(n)
+        if slot < 0:
+            rows.lora_slots = None
+        logits = torch.empty(1, config.vocab_size)
+        kernels.check(kernels.library().v41_run(ctypes.byref(rows), ctypes.byref(struct), None, 2 * E + 1, 2 * L,
+                                                None, logits.data_ptr(), n - 1))
+        for window in windows.values():
+            window.tail.advance(n)
+        return logits[0], windows
 
     def _place(self, places: "RowPlaces", b: int, state: V41ConversationState) -> list[str] | None:
         """Row b's places in `places` (room reserved in each tail the kernel writes); returns the names of the
@@ -221,6 +335,10 @@ class V41Plan:
         shared.tokens.append(token)
 
 
+def _address(tensor: Tensor | None) -> int:
+    return 0 if tensor is None else tensor.data_ptr()
+
+
 class RowPlaces:
     """The addresses and counts a step's V41Rows points at, by field name (each a flat list: (B, L) windows,
     (B, MAX_STORES) stores, (B) replay tails; 0 where a row has nothing there)."""
@@ -231,3 +349,8 @@ class RowPlaces:
         self.arrays |= {name: [0] * (B * S) for name in ("latents", "keys", "n_entries", "pending")}
         self.arrays |= {name: [0] * B for name in ("stream", "pre", "selection_idx", "selection_valid", "pool_idx",
                                                    "pool_valid")}
+
+    def rows(self, B: int) -> kernels.V41Rows:
+        """The V41Rows of these arrays (kept alive with this object)."""
+        self._held = {name: (ctypes.c_long * len(values))(*values) for name, values in self.arrays.items()}
+        return kernels.V41Rows(B=B, **{name: ctypes.addressof(array) for name, array in self._held.items()})

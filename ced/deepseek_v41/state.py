@@ -72,6 +72,12 @@ class Tail:
             self.reserve(1, like)
         return self._buf.data_ptr() + (self._start + (self._n if at_end else 0)) * self._stride  # a deep copy moves
 
+    def next_places(self, k: int, like: Tensor) -> list[int]:
+        """The addresses of positions n .. n + k - 1, room reserved (a native call writes them, then `advance(k)`)."""
+        self.reserve(k, like)
+        base = self._buf.data_ptr() + (self._start + self._n) * self._stride
+        return [base + i * self._stride for i in range(k)]
+
     def advance(self, k: int) -> None:
         """k positions written past the end now belong to the tail (the oldest drop out past `keep`)."""
         self._n, self._room, self._view = self._n + k, self._room - k, None

@@ -175,6 +175,8 @@ def _load() -> ctypes.CDLL | None:
                               _c_long, _ptr, _c_long, _ptr, _ptr, _ptr, _c_long, ctypes.c_float, _ptr]),
         "decode_step": (_c_int, [rows, ctypes.POINTER(StepModel), _ptr, _ptr]),
         "v41_decode_step": (_c_int, [ctypes.POINTER(V41Rows), ctypes.POINTER(V41Model), _ptr, _ptr]),
+        "v41_run": (_c_int, [ctypes.POINTER(V41Rows), ctypes.POINTER(V41Model), _ptr, _c_int, _c_int, _ptr, _ptr,
+                             _c_int]),
         "v41_hc_weights": (None, [_ptr, _c_long, _c_long, _c_long, _ptr, _ptr, _ptr, _c_int, ctypes.c_float,
                                   ctypes.c_float, _ptr, _ptr, _ptr]),
     }

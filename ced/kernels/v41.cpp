@@ -441,18 +441,19 @@ int attention_site(Step& s, const V41Layer* L, int layer) {
     const float* keys = r->windows[b * L_count + layer];
     const bool global = L->read_store >= 0 && s.entries[b * MAX_STORES + L->read_store] > 0 && s.has_sel[b];
     const float* latents = global ? r->latents[b * MAX_STORES + L->read_store] : nullptr;
-    std::vector<const float*> values;  // K = V: the window's latents, then the selected entries
-    for (long j = 0; j <= held; ++j) values.push_back(keys + j * D);
+    // K = V: the window's latents within distance W - 1 (a chunk's rows may hold older ones: left out, so a row
+    // sums the same terms in the same order whatever its tail holds), then the selected entries
+    std::vector<const float*> values;
+    for (long j = std::max(0L, held - m->window + 1); j <= held; ++j) values.push_back(keys + j * D);
     for (long j = 0; j < K; ++j)
       if (global && s.sel_valid[b * K + j]) values.push_back(latents + s.sel_idx[b * K + j] * D);
     const long S = values.size();
     float* qb = q.data() + b * H * D;
     rope(qb, H, D, m->R, m->inv_freq[L->rope], pos, 1.0f);
     std::vector<float> weights(H * S), dots(H);  // (H, S): each head's scores, then its softmax weights
-    for (long j = 0; j < S; ++j) {  // the window: positions pos - held .. pos; distance W and over masked
-      const bool masked = j <= held && held - j >= m->window;
-      if (!masked) dots_of(qb, H, values[j], D, dots.data());  // every head against the row, read once
-      for (long head = 0; head < H; ++head) weights[head * S + j] = masked ? NEG_INF : dots[head] * scale;
+    for (long j = 0; j < S; ++j) {
+      dots_of(qb, H, values[j], D, dots.data());  // every head against the row, read once
+      for (long head = 0; head < H; ++head) weights[head * S + j] = dots[head] * scale;
     }
     for (long head = 0; head < H; ++head) {  // one softmax over [window | selected entries | sink]
       float* w = weights.data() + head * S;
@@ -553,23 +554,59 @@ int ffn_site(Step& s, const V41Layer* L) {
 
 extern "C" {
 
-// One decode step of B rows: the next-token logits (B, vocab) out; every row's state written at its reserved
-// places. Returns nonzero where a LoRA rank is above the kernels' limit.
-int v41_decode_step(const V41Rows* r, const V41Model* m, const long* tokens, float* logits) {
-  const int B = r->B;
+// Sites [from_site, to_site) of B rows, one position each: layer l's attention site is site 2l, its FFN site 2l + 1.
+// A decode step is every site (0 .. 2L); a prefill chunk the adapter-free ones (0 .. 2E + 1), where its rows may be
+// consecutive positions of one conversation (each row's places then point into the same tails, each row's window
+// count and store entries those of its own position: the rows of a site run in order where they write what a later
+// row reads, so a chunk computes what its tokens one step at a time would); a replay the decoder's (2E + 1 .. 2L),
+// starting from the layer-E streams, pre-mix and choices at each row's `stream` / `pre` / `selection` places.
+// `h19` (B, C), where given, gets each row's streams into layer E averaged over the streams; `logits` the
+// next-token logits of rows logits_from .. B - 1 where the last site is run. Nonzero: a LoRA rank over the limit.
+int v41_run(const V41Rows* r, const V41Model* m, const long* tokens, int from_site, int to_site, float* h19,
+            float* logits, int logits_from) {
+  const int B = r->B, E = m->decoder_start;
   const long C = m->C, n = m->hc, K = m->index_topk, P = m->cand_blocks;
   Step s{m, r, B, std::vector<float>(B * n * C), std::vector<float>(B * n, 0.0f), std::vector<long>(B * K, 0),
          std::vector<long>(B * std::max(P, 1L), 0), std::vector<char>(B * K, 0), std::vector<char>(B * std::max(P, 1L), 0),
          std::vector<char>(B, 0), std::vector<char>(B, 0), std::vector<long>(r->n_entries, r->n_entries + B * MAX_STORES)};
+  const int layer_e_attention = 2 * E;
   for (int b = 0; b < B; ++b) {
-    for (long j = 0; j < n; ++j) std::memcpy(s.x.data() + (b * n + j) * C, m->embed + tokens[b] * C, C * sizeof(float));
-    s.pre[b * n] = 1.0f;  // the first site collapses onto stream 0 (every stream holds the embedding)
+    if (from_site == 0) {
+      for (long j = 0; j < n; ++j) std::memcpy(s.x.data() + (b * n + j) * C, m->embed + tokens[b] * C, C * sizeof(float));
+      s.pre[b * n] = 1.0f;  // the first site collapses onto stream 0 (every stream holds the embedding)
+    } else if (from_site == layer_e_attention + 1) {  // a replay: what layer E's attention left at this position
+      std::memcpy(s.x.data() + b * n * C, r->stream[b], n * C * sizeof(float));
+      std::memcpy(s.pre.data() + b * n, r->pre[b], n * sizeof(float));
+      if (r->selection_idx[b]) {
+        s.has_sel[b] = 1;
+        for (long j = 0; j < K; ++j)
+          s.sel_idx[b * K + j] = r->selection_idx[b][j], s.sel_valid[b * K + j] = r->selection_valid[b][j];
+      }
+      if (r->pool_idx[b]) {
+        s.has_pool[b] = 1;
+        for (long j = 0; j < P; ++j)
+          s.pool_idx[b * P + j] = r->pool_idx[b][j], s.pool_valid[b * P + j] = r->pool_valid[b][j];
+      }
+    } else {
+      return -2;  // no other starting site holds what it would need
+    }
   }
-  const int E = m->decoder_start;
-  for (int layer = 0; layer < m->n_layers; ++layer) {
+  for (int site = from_site; site < to_site; ++site) {
+    const int layer = site / 2;
     const V41Layer* L = m->layers + layer;
+    if (site % 2) {
+      if (ffn_site(s, L)) return -1;
+      continue;
+    }
+    if (site == layer_e_attention && h19)
+      for (int b = 0; b < B; ++b)
+        for (long c = 0; c < C; ++c) {
+          float sum = 0.0f;
+          for (long j = 0; j < n; ++j) sum += s.x[(b * n + j) * C + c];
+          h19[b * C + c] = sum / static_cast<float>(n);
+        }
     if (attention_site(s, L, layer)) return -1;
-    if (layer == E) {  // what a switch replays from
+    if (site == layer_e_attention) {  // what a switch replays from
       for (int b = 0; b < B; ++b) {
         std::memcpy(r->stream[b], s.x.data() + b * n * C, n * C * sizeof(float));
         std::memcpy(r->pre[b], s.pre.data() + b * n, n * sizeof(float));
@@ -581,11 +618,19 @@ int v41_decode_step(const V41Rows* r, const V41Model* m, const long* tokens, flo
             r->pool_idx[b][j] = s.pool_idx[b * P + j], r->pool_valid[b][j] = s.pool_valid[b * P + j];
       }
     }
-    if (ffn_site(s, L)) return -1;
   }
-  std::vector<float> h(B * C), xn(B * C);
-  collapse_norm(m, B, s.x.data(), s.pre.data(), m->final_norm, h.data(), xn.data());
-  return linear(m->head, xn.data(), C, B, nullptr, logits, m->vocab);
+  if (!logits || to_site != 2 * m->n_layers || logits_from >= B) return 0;
+  const int rows = B - logits_from;
+  std::vector<float> h(rows * C), xn(rows * C);
+  collapse_norm(m, rows, s.x.data() + logits_from * n * C, s.pre.data() + logits_from * n, m->final_norm, h.data(),
+                xn.data());
+  return linear(m->head, xn.data(), C, rows, nullptr, logits, m->vocab);
+}
+
+// One decode step of B rows: the next-token logits (B, vocab) out; every row's state written at its reserved
+// places. Returns nonzero where a LoRA rank is above the kernels' limit.
+int v41_decode_step(const V41Rows* r, const V41Model* m, const long* tokens, float* logits) {
+  return v41_run(r, m, tokens, 0, 2 * m->n_layers, nullptr, logits, 0);
 }
 
 // hc_weights (model.py) of `rows` positions' streams x (rows, n, C): pre and post (rows, n), comb (rows, n, n); each
