@@ -251,11 +251,7 @@ class Indexer(nn.Module):
         new_pool = None
         if self.role.is_candidate_source and config.candidate_topk_blocks:
             n_blocks = (N + bs - 1) // bs  # not -(-N // bs): ONNX divides integers toward zero
-            if graph:  # a pad of constant width, then a cut (a trace freezes a pad width computed from N)
-                padded = F.pad(scores, (0, bs - 1), value=NEG_INF)[..., : n_blocks * bs]
-            else:
-                padded = F.pad(scores, (0, n_blocks * bs - N), value=NEG_INF)
-            blocks = padded.view(B, T, n_blocks, bs).amax(-1)
+            blocks = F.pad(scores, (0, n_blocks * bs - N), value=NEG_INF).view(B, T, n_blocks, bs).amax(-1)
             new_pool = _top_k(blocks, config.candidate_topk_blocks, graph)
         return _top_k(scores, config.index_topk, graph), new_pool
 
