@@ -38,6 +38,8 @@ class OrtCEDEngine(CEDEngine):
         super().__init__(model.float(), max_adapters, max_rank, prefill_chunk=prefill_chunk)
         self.engine_dir = Path(engine_dir)
         self.manifest = read_manifest(self.engine_dir, self.kind)
+        if self.manifest.get("family", "ced") != "ced":  # builds before the field existed are the ced family's
+            raise EngineFileError(f"{self.engine_dir}: built for the {self.manifest['family']!r} family, not ced")
         check_matches(self.manifest, self.config, self.model, list(self.adapters.modules), self.engine_dir)
         self._lora = [(name, self.adapters.modules[name]) for name in self.manifest["lora_modules"]]
         self.sessions = {stage: self._open(stage, threads or torch.get_num_threads()) for stage in STAGES}

@@ -120,11 +120,17 @@ class V41ExportCache:
 
 
 class GraphLoRA:
-    """The LoRA inputs of the call being traced: each adapted Linear's stacked (A, B) by name, and the row's slot."""
+    """The LoRA inputs of the call being traced: each adapted Linear's stacked (A, B) by name, and the row's slot
+    (as an index into the stack and whether there is one: computed once per graph, not once per module)."""
 
     def __init__(self):
         self.weights: dict[str, tuple[Tensor, Tensor]] = {}
-        self.slots: Tensor | None = None
+        self.index: Tensor | None = None
+        self.active: Tensor | None = None
+
+    def set(self, weights: dict[str, tuple[Tensor, Tensor]], slots: Tensor | None) -> None:
+        self.weights = weights
+        self.index, self.active = (None, None) if slots is None else (slots[0].clamp(min=0), slots[0] >= 0)
 
 
 class GraphLoRALinear(nn.Module):
@@ -138,17 +144,16 @@ class GraphLoRALinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.base(x)
-        if self.lora.slots is None:
+        if self.lora.index is None:
             return y
         a, b = self.lora.weights[self.name]
-        slot = self.lora.slots[0]
-        a, b = a[slot.clamp(min=0)], b[slot.clamp(min=0)]  # (r, in), (out, r)
+        a, b = a[self.lora.index], b[self.lora.index]  # (r, in), (out, r)
         down = torch.matmul(x, a.transpose(0, 1))  # (..., r), or (..., G, r) grouped
         if self.groups is None:
             delta = torch.matmul(down, b.transpose(0, 1))
         else:  # group g's rows of B meet group g's down projection (V41's LoRALinear._up)
             delta = torch.einsum("...gr,gor->...go", down, b.view(self.groups, -1, b.shape[1]))
-        return torch.where(slot >= 0, y + delta, y)
+        return torch.where(self.lora.active, y + delta, y)
 
 
 def graph_model(model: DeepseekV41ForCausalLM, lora: GraphLoRA | None = None) -> DeepseekV41ForCausalLM:
@@ -212,13 +217,13 @@ class DecoderStage(nn.Module):
         windows = {i: get[f"window.{i}"] if self.with_windows else empty for i in c.adapter_bound_layers}
         cache = V41ExportCache(c, windows, {E: (get["latent"], get["index_keys"])}, {})
         pool = Selection(get["pool_idx"], get["pool_valid"]) if has_pool(c) else None
-        self.lora.weights = {name: (get[f"lora_a.{name}"], get[f"lora_b.{name}"]) for name in self.lora_names}
-        self.lora.slots = get["row_slots"]
+        self.lora.set({name: (get[f"lora_a.{name}"], get[f"lora_b.{name}"]) for name in self.lora_names},
+                      get["row_slots"])
         try:
             hidden = self.model.decoder_stage(stream, get["pre"], _positions(get["start"], stream.shape[1]),
                                               Selection(get["selection_idx"], get["selection_valid"]), pool, cache,
                                               last_only=True)
         finally:
-            self.lora.weights, self.lora.slots = {}, None
+            self.lora.set({}, None)
         logits = self.model.logits(hidden)[:, -1]  # (1, V)
         return (logits,) + tuple(cache.windows[i] for i in c.adapter_bound_layers)

@@ -52,7 +52,8 @@ class OrtV41Engine(V41Engine):
                                   "not deepseek_v41")
         check_matches(self.manifest, self.config, self.model, list(self.adapter_set.modules), self.engine_dir)
         self._pool = has_pool(self.config)
-        self._lora_feeds: dict[str | None, tuple[tuple, dict[str, np.ndarray]]] = {}
+        self._lora_feeds: dict[str | None, dict[str, np.ndarray]] = {}  # adapter -> its LoRA inputs
+        self._lora_changes = -1  # LoRALinear.changes when they were made
         self.sessions = {stage: self._open(stage, threads or torch.get_num_threads()) for stage in STAGES}
 
     def _open(self, stage: str, threads: int):
@@ -105,10 +106,10 @@ class OrtV41Engine(V41Engine):
     def _lora(self, adapter: str | None) -> dict[str, np.ndarray]:
         """The LoRA inputs for a call under `adapter`: one slot holding its A and scaled B per module (zeros where
         it leaves a module alone; slot -1 and rank-1 zeros for the base model). Kept until an adapter changes."""
-        key = (LoRALinear.changes, self.adapters.digest(adapter))
-        cached = self._lora_feeds.get(adapter)
-        if cached is not None and cached[0] == key:
-            return cached[1]
+        if self._lora_changes != LoRALinear.changes:  # an adapter was loaded, replaced or unloaded since
+            self._lora_feeds, self._lora_changes = {}, LoRALinear.changes
+        if adapter in self._lora_feeds:
+            return self._lora_feeds[adapter]
         rank = 1 if adapter is None else self.adapters.get(adapter).rank
         feeds = {"row_slots": np.asarray([-1 if adapter is None else 0], dtype=np.int64)}
         for name in self.manifest["lora_modules"]:
@@ -119,7 +120,7 @@ class OrtV41Engine(V41Engine):
                 a_i, b_i = module.adapters[adapter]
                 a[0, : a_i.shape[0]], b[0, :, : a_i.shape[0]] = a_i.float().numpy(), b_i.float().numpy()
             feeds[f"lora_a.{name}"], feeds[f"lora_b.{name}"] = a, b
-        self._lora_feeds[adapter] = (key, feeds)
+        self._lora_feeds[adapter] = feeds
         return feeds
 
     def _decoder(self, stage: str, stream: Tensor, pre: Tensor, start: int, selection: Selection,
