@@ -2,7 +2,8 @@
 the native kernels off (torch's own arithmetic): H19, replay and step logits within RTOL of the largest |logit|,
 the same top-k, the same layer-E choices (selection, pool) and state tensors close, under no adapter and under
 adapters on every module (routed experts included) or on the routed experts only; adapters loaded after the
-export; a chunked prefill; make_engine's refusal of another model's graphs; RowEngine and the scheduler's loop.
+export; a chunked prefill; make_engine's cached build and its refusal of another model's graphs; RowEngine and the
+scheduler's loop.
 
 One export (the tiny shape, vocab 320 for the scheduler's byte tokenizer) per session: about ten seconds.
 """
@@ -147,6 +148,25 @@ def test_graphs_of_other_weights_are_refused(built, tmp_path, tiny_v41):
         make_engine("onnxruntime", tmp_path / "other", engine_dir=onnx_dir)
     with pytest.raises(ValueError, match="tensorrt engine does not run the deepseek_v41 family"):
         make_engine("tensorrt", tmp_path / "other")
+
+
+def test_without_a_folder_make_engine_finds_the_cached_build(built, tmp_path, monkeypatch):
+    """make_engine / ensure_onnx_engine of a deepseek_v41 folder go through the family registry to this family's
+    cache, artifacts/engines/<config>-<weights>/onnx: a build already there is loaded, not exported again."""
+    import shutil
+
+    import ced.engines
+
+    model_dir, onnx_dir = built
+    monkeypatch.setattr(ced.engines, "ROOT", tmp_path)
+    cached = ced.engines.default_engine_dir(load_checkpoint(model_dir)[1], "onnx")
+    assert cached.is_relative_to(tmp_path / "artifacts/engines")
+    shutil.copytree(onnx_dir, cached)
+    stamp = (cached / "engine.json").stat().st_mtime_ns
+    assert ced.engines.ensure_onnx_engine(model_dir) == cached
+    engine = make_engine("onnxruntime", model_dir, threads=1)
+    assert isinstance(engine, OrtV41Engine) and engine.engine_dir == cached
+    assert (cached / "engine.json").stat().st_mtime_ns == stamp
 
 
 def test_row_engine_steps_rows_of_different_adapters(pair):
