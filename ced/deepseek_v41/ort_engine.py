@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ..engine import EngineStats, StateError, check_tokens
 from ..engine_files import STAGES, EngineFileError, check_matches, read_manifest
+from ..ort_engine import open_session
 from ..state import Selection
 from .adapters import LoRALinear, V41AdapterRegistry, V41AdapterSet
 from .engine import V41Engine
@@ -54,25 +55,8 @@ class OrtV41Engine(V41Engine):
         self._pool = has_pool(self.config)
         self._lora_feeds: dict[str | None, dict[str, np.ndarray]] = {}  # adapter -> its LoRA inputs
         self._lora_changes = -1  # LoRALinear.changes when they were made
-        self.sessions = {stage: self._open(stage, threads or torch.get_num_threads()) for stage in STAGES}
-
-    def _open(self, stage: str, threads: int):
-        import onnxruntime as ort
-
-        spec = self.manifest["graphs"][stage]
-        options = ort.SessionOptions()
-        options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
-        options.log_severity_level = 3  # warnings about unused initializers are noise here
-        try:
-            session = ort.InferenceSession(str(self.engine_dir / spec["file"]), options,
-                                           providers=["CPUExecutionProvider"])
-        except Exception as error:  # onnxruntime raises its own exception types for a corrupt file
-            raise EngineFileError(f"{self.engine_dir / spec['file']}: ONNX Runtime cannot load it: {error}") from None
-        inputs, outputs = [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()]
-        if inputs != spec["inputs"] or outputs != spec["outputs"]:
-            raise EngineFileError(f"{self.engine_dir / spec['file']}: IO names differ from {stage!r} in the "
-                                  "manifest (a graph from another build?)")
-        return session
+        self.sessions = {stage: open_session(self.engine_dir, self.manifest["graphs"][stage], stage,
+                                             threads or torch.get_num_threads()) for stage in STAGES}
 
     def _run(self, stage: str, feeds: dict[str, np.ndarray]) -> dict[str, Tensor]:
         values = self.sessions[stage].run(None, feeds)
