@@ -4,8 +4,9 @@ Every engine serves the demo (the one every command uses, ced/demo.py; or --mode
 and decode run under one of them. Engines: `torch` (CEDEngine, one conversation's objects), `torch_serving` (the
 BatchedEngine the server runs, over its paged pool, one row, with the native decode kernels of ced/kernels),
 `torch_serving_no_kernels` (the same engine with the kernels turned off: torch's arithmetic), `onnxruntime` (and
-`tensorrt`). A `deepseek_v41` model (`--model models/demo-v41/model`) has two: `torch_serving` (V41Engine, which the
-server runs, its decode steps one native call each) and `torch` (the same engine with the kernels off). Each repeat times every engine in turn on the same work, so drift of the machine spreads over all rows:
+`tensorrt`). A `deepseek_v41` model (`--model models/demo-v41/model`) has three: `torch_serving` (V41Engine, which the
+server runs, its decode steps one native call each), `torch` (the same engine with the kernels off) and
+`onnxruntime` (OrtV41Engine on the family's exported graphs, ced/deepseek_v41/onnx_export.py). Each repeat times every engine in turn on the same work, so drift of the machine spreads over all rows:
 
 - prefill: a fresh conversation's `--context` tokens through the adapter-free stage (chunks of 256);
 - replay:  a switch at that context: the last W positions through the decoder under the adapter;
@@ -236,7 +237,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     serving, cpus = make_engine("torch", args.model), len(os.sched_getaffinity(0))  # chunk threads as the server's
     family = family_of(args.model).name
     if family == "deepseek_v41":  # the server runs V41Engine itself (through RowEngine)
-        engines = {"torch": Kernels(serving, native=False), "torch_serving": Kernels(serving, native=True)}
+        engines = {"torch": Kernels(serving, native=False), "torch_serving": Kernels(serving, native=True),
+                   "onnxruntime": make_engine("onnxruntime", args.model, engine_dir=args.onnx_dir,
+                                              threads=args.threads)}
     else:
         engines = {"torch": make_engine("torch", args.model), "torch_serving": ServingEngine(serving, cpus),
                    "torch_serving_no_kernels": ServingEngine(serving, cpus, native=False),

@@ -302,8 +302,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model_dir = prepare_demo(args.demo)
     family = family_of(model_dir).name
     if family != "ced":
-        if args.engine != "torch":
-            raise SystemExit(f"turn_cost: --engine {args.engine} runs the ced family only; {model_dir} is {family}")
+        if args.engine == "tensorrt":
+            raise SystemExit(f"turn_cost: --engine tensorrt runs the ced family only; {model_dir} is {family}")
         print(PEERS_SKIPPED.format(family=family))
         args.no_vllm = args.no_llamacpp = True
         args.plot_default = args.plot_default.replace(".png", f"_{family}.png")  # the ced figure stays

@@ -10,7 +10,7 @@ import os
 import shutil
 from pathlib import Path
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:  # imported where an engine is built: the settings read ENGINE_KINDS without loading torch
     from .engine import CEDEngine
@@ -20,27 +20,23 @@ ENGINE_KINDS = ("torch", "onnxruntime", "tensorrt")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def default_engine_dir(model: CEDForCausalLM, kind: str) -> Path:
-    """Where a built engine of `model` is cached when no folder is given: named by its fingerprints, so another
-    model (or retrained weights) never picks up a stale build."""
+def default_engine_dir(model, kind: str) -> Path:
+    """Where a built engine of `model` (of any family) is cached when no folder is given: named by its
+    fingerprints, so another model (or retrained weights) never picks up a stale build."""
     from .engine_files import config_fingerprint, weights_fingerprint
 
-    return ROOT / "artifacts/engines" / f"{config_fingerprint(model.ced)}-{weights_fingerprint(model)}" / kind
+    config = model.ced if hasattr(model, "ced") else model.config  # the ced family's own config, or V41Config
+    return ROOT / "artifacts/engines" / f"{config_fingerprint(config)}-{weights_fingerprint(model)}" / kind
 
 
-def ensure_onnx_engine(model_dir: str | Path, model: CEDForCausalLM | None = None) -> Path:
-    """The cached ONNX build of the model in `model_dir`, exported now if missing. Safe when several processes
-    (Triton's prefill and decode models) start at once: each exports into its own folder, the first rename wins."""
+def build_once(engine_dir: Path, export: Callable[[Path], object]) -> Path:
+    """`engine_dir`, built by export(folder) now if it holds no manifest. Safe when several processes (Triton's
+    prefill and decode models) start at once: each exports into its own folder, the first rename wins."""
     from .engine_files import MANIFEST_FILE
-    from .model import CEDForCausalLM
 
-    model = model or CEDForCausalLM.from_pretrained(str(model_dir))
-    engine_dir = default_engine_dir(model, "onnx")
     if not (engine_dir / MANIFEST_FILE).is_file():
-        from .onnx_export import export_engine
-
         scratch = engine_dir.with_name(f"{engine_dir.name}.tmp{os.getpid()}")
-        export_engine(model_dir, scratch, progress=False)
+        export(scratch)
         try:
             scratch.rename(engine_dir)
         except OSError:  # another process finished first: use its build
@@ -48,28 +44,45 @@ def ensure_onnx_engine(model_dir: str | Path, model: CEDForCausalLM | None = Non
     return engine_dir
 
 
+def ensure_onnx_engine(model_dir: str | Path, model=None) -> Path:
+    """The cached ONNX build of the model in `model_dir` (of any family; `model`: it, already loaded), exported
+    now if missing."""
+    from .families import family_of
+
+    return family_of(model_dir).ensure_onnx_engine(model_dir, model)
+
+
+def ensure_ced_onnx_engine(model_dir: str | Path, model: CEDForCausalLM | None = None) -> Path:
+    """ensure_onnx_engine for the ced family."""
+    from .model import CEDForCausalLM
+    from .onnx_export import export_engine
+
+    model = model or CEDForCausalLM.from_pretrained(str(model_dir))
+    return build_once(default_engine_dir(model, "onnx"),
+                      lambda scratch: export_engine(model_dir, scratch, progress=False))
+
+
 def make_engine(kind: str, model_dir: str | Path, max_adapters: int = 8, max_rank: int = 16,
                 engine_dir: str | Path | None = None, threads: int | None = None) -> CEDEngine:
-    """An engine over the model in `model_dir`, of its family (ced.families): the ced family's CEDEngine, or the
-    deepseek_v41 family's V41Engine (torch only), both with the same interface.
+    """An engine over the model in `model_dir`, made by its family (ced.families' `engines`): the ced family's
+    CEDEngine / OrtCEDEngine / TensorRTCEDEngine, or the deepseek_v41 family's V41Engine / OrtV41Engine, all with
+    the same interface.
 
     onnxruntime: runs the graphs in `engine_dir` (built by `python -m engine_build onnx`); without `engine_dir`
-    they are exported once (a few seconds) into `default_engine_dir` and reused. tensorrt: needs `engine_dir`
-    built by `python -m engine_build tensorrt`, the `tensorrt` package and a CUDA GPU. A folder built for another
-    config or other weights is refused with an error that names what differs.
+    they are exported once (seconds) into `default_engine_dir` and reused. tensorrt (ced family only): needs
+    `engine_dir` built by `python -m engine_build tensorrt`, the `tensorrt` package and a CUDA GPU. A folder built
+    for another config or other weights is refused with an error that names what differs.
     """
     if kind not in ENGINE_KINDS:
         raise ValueError(f"unknown engine kind {kind!r}; choose one of {ENGINE_KINDS}")
     from .families import family_of
 
-    if family_of(model_dir).name == "deepseek_v41":
-        if kind != "torch":
-            raise ValueError(f"the {kind} engine does not run the deepseek_v41 family yet (its export covers the "
-                             "ced family's stages only): serve it with the torch engine")
-        from .deepseek_v41.checkpoint import load_checkpoint
-        from .deepseek_v41.engine import V41Engine
+    return family_of(model_dir).make_engine(kind, model_dir, max_adapters, max_rank, engine_dir, threads)
 
-        return V41Engine(load_checkpoint(model_dir)[1], max_adapters, max_rank)
+
+def make_ced_engine(kind: str, model_dir: str | Path, max_adapters: int, max_rank: int,
+                    engine_dir: str | Path | None, threads: int | None) -> CEDEngine:
+    """make_engine for the ced family."""
     from .engine import CEDEngine
     from .model import CEDForCausalLM
 
@@ -79,7 +92,7 @@ def make_engine(kind: str, model_dir: str | Path, max_adapters: int = 8, max_ran
     if kind == "onnxruntime":
         from .ort_engine import OrtCEDEngine
 
-        engine_dir = ensure_onnx_engine(model_dir, model) if engine_dir is None else engine_dir
+        engine_dir = ensure_ced_onnx_engine(model_dir, model) if engine_dir is None else engine_dir
         return OrtCEDEngine(model, engine_dir, max_adapters, max_rank, threads=threads)
     from .trt_engine import TensorRTCEDEngine, require_tensorrt
 

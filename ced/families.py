@@ -35,6 +35,12 @@ class Family:
     states: str  # the module of its conversation state's verbs: empty_state, copy_state, delta_of, apply_delta,
     #              new_entries, entry_tensors, bound_tensors, set_bound (what the store, the journal, the transfers
     #              and the row engine call, whatever the family)
+    engines: str  # "module:function" (kind, model_dir, max_adapters, max_rank, engine_dir, threads) -> an engine
+    #               with CEDEngine's interface (what ced.engines.make_engine calls for this family)
+    onnx_build: str  # "module:function" (model_dir, model=None) -> the folder of its cached ONNX build, exported
+    #                  if missing (what ced.engines.ensure_onnx_engine calls)
+    onnx_export: str  # the module whose export_engine(model_dir, out_dir, opset=, exporter=, progress=) writes its
+    #                   graphs and manifest (what `python -m engine_build onnx` calls)
 
     def config_cls(self) -> type:
         return _load(self.config_class)
@@ -50,6 +56,15 @@ class Family:
 
     def state_verbs(self):
         return import_module(self.states)
+
+    def make_engine(self, kind: str, model_dir, max_adapters: int, max_rank: int, engine_dir=None, threads=None):
+        return _load(self.engines)(kind, model_dir, max_adapters, max_rank, engine_dir, threads)
+
+    def ensure_onnx_engine(self, model_dir, model=None):
+        return _load(self.onnx_build)(model_dir, model)
+
+    def export_onnx(self, model_dir, out_dir, **options) -> dict:
+        return import_module(self.onnx_export).export_engine(model_dir, out_dir, **options)
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -138,7 +153,9 @@ def _v41_build(config, seed: int | None = None):
 
 
 register(Family("ced", "ced", "ced.config:CEDConfig", "ced.model:CEDForCausalLM",
-                "ced.families:_ced_config", "ced.families:_ced_build", "ced.state"))
+                "ced.families:_ced_config", "ced.families:_ced_build", "ced.state", "ced.engines:make_ced_engine",
+                "ced.engines:ensure_ced_onnx_engine", "ced.onnx_export"))
 register(Family("deepseek_v41", "deepseek_v41", "ced.deepseek_v41.config:V41Config",
                 "ced.deepseek_v41.model:DeepseekV41ForCausalLM", "ced.families:_v41_config",
-                "ced.families:_v41_build", "ced.deepseek_v41.state"))
+                "ced.families:_v41_build", "ced.deepseek_v41.state", "ced.deepseek_v41.engines:make_v41_engine",
+                "ced.deepseek_v41.engines:ensure_onnx_engine", "ced.deepseek_v41.onnx_export"))

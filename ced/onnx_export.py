@@ -114,7 +114,7 @@ def export_engine(model_dir: str | Path, out_dir: str | Path, opset: int = OPSET
         if progress:
             print(f"  {stage:<12} {path.stat().st_size / 2**20:7.1f} MiB  {time.perf_counter() - start:5.1f} s")
     manifest = {
-        "format": FORMAT, "kind": "onnx", "opset": opset, "exporter": exporter, "model_dir": str(model_dir),
+        "format": FORMAT, "kind": "onnx", "family": "ced", "opset": opset, "exporter": exporter, "model_dir": str(model_dir),
         "config": {k: list(v) if isinstance(v, tuple) else v for k, v in model.ced.to_dict().items()},
         "config_fingerprint": config_fingerprint(model.ced), "weights_fingerprint": weights_fingerprint(model),
         "lora_modules": lora_modules(model), "batch": 1, "graphs": graphs,

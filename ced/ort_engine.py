@@ -28,6 +28,25 @@ def _np(tensor: Tensor | None, empty_shape: tuple[int, ...]) -> np.ndarray:
     return tensor.detach().contiguous().numpy()
 
 
+def open_session(engine_dir: Path, spec: dict, stage: str, threads: int):
+    """An ONNX Runtime session on one graph of a built folder (its manifest entry `spec`), its IO names checked
+    against the manifest's. Shared by every family's ORT engine."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    options.log_severity_level = 3  # warnings about unused initializers are noise here
+    try:
+        session = ort.InferenceSession(str(engine_dir / spec["file"]), options, providers=["CPUExecutionProvider"])
+    except Exception as error:  # onnxruntime raises its own exception types for a corrupt file
+        raise EngineFileError(f"{engine_dir / spec['file']}: ONNX Runtime cannot load it: {error}") from None
+    inputs, outputs = [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()]
+    if inputs != spec["inputs"] or outputs != spec["outputs"]:
+        raise EngineFileError(f"{engine_dir / spec['file']}: IO names differ from {stage!r} in the manifest (a graph "
+                              "from another build?)")
+    return session
+
+
 class OrtCEDEngine(CEDEngine):
     kind = "onnx"  # the manifest kind this engine runs
 
@@ -38,27 +57,14 @@ class OrtCEDEngine(CEDEngine):
         super().__init__(model.float(), max_adapters, max_rank, prefill_chunk=prefill_chunk)
         self.engine_dir = Path(engine_dir)
         self.manifest = read_manifest(self.engine_dir, self.kind)
+        if self.manifest.get("family", "ced") != "ced":  # builds before the field existed are the ced family's
+            raise EngineFileError(f"{self.engine_dir}: built for the {self.manifest['family']!r} family, not ced")
         check_matches(self.manifest, self.config, self.model, list(self.adapters.modules), self.engine_dir)
         self._lora = [(name, self.adapters.modules[name]) for name in self.manifest["lora_modules"]]
         self.sessions = {stage: self._open(stage, threads or torch.get_num_threads()) for stage in STAGES}
 
     def _open(self, stage: str, threads: int):
-        import onnxruntime as ort
-
-        spec = self.manifest["graphs"][stage]
-        options = ort.SessionOptions()
-        options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
-        options.log_severity_level = 3  # warnings about unused initializers are noise here
-        try:
-            session = ort.InferenceSession(str(self.engine_dir / spec["file"]), options,
-                                           providers=["CPUExecutionProvider"])
-        except Exception as error:  # onnxruntime raises its own exception types for a corrupt file
-            raise EngineFileError(f"{self.engine_dir / spec['file']}: ONNX Runtime cannot load it: {error}") from None
-        inputs, outputs = [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()]
-        if inputs != spec["inputs"] or outputs != spec["outputs"]:
-            raise EngineFileError(f"{self.engine_dir / spec['file']}: IO names differ from {stage!r} in the "
-                                  "manifest (a graph from another build?)")
-        return session
+        return open_session(self.engine_dir, self.manifest["graphs"][stage], stage, threads)
 
     def _run(self, stage: str, feeds: dict[str, np.ndarray]) -> dict[str, Tensor]:
         spec = self.manifest["graphs"][stage]

@@ -6,7 +6,7 @@
     python -m engine_build adapters  --corpus DIR --model DIR --out DIR      the PEFT adapters and their table
     python -m engine_build demo      [--root artifacts]                     all four into artifacts/demo, skipping
                                                                             the steps already done
-    python -m engine_build onnx      --model DIR --out DIR                  the CED stages as ONNX graphs + engine.json
+    python -m engine_build onnx      --model DIR --out DIR                  either family's stages as ONNX + engine.json
     python -m engine_build tensorrt  --onnx DIR --out DIR --precision fp16  those graphs as TensorRT plans (GPU)
 """
 from __future__ import annotations
@@ -278,13 +278,13 @@ def _cmd_publish(args: argparse.Namespace) -> int:
 def _cmd_onnx(args: argparse.Namespace) -> int:
     import torch
 
-    from ced.onnx_export import export_engine
+    from ced.families import family_of
+    from ced.onnx_export import OPSET
 
     torch.set_num_threads(args.threads)
     t0 = time.time()
-    from ced.onnx_export import OPSET
-
-    manifest = export_engine(args.model, args.out, opset=args.opset or OPSET, exporter=args.exporter)
+    manifest = family_of(args.model).export_onnx(args.model, args.out, opset=args.opset or OPSET,
+                                                 exporter=args.exporter)  # the ced family's or deepseek_v41's
     print(f"exported {len(manifest['graphs'])} graphs (opset {manifest['opset']}, config "
           f"{manifest['config_fingerprint']}, weights {manifest['weights_fingerprint']}, "
           f"{len(manifest['lora_modules'])} LoRA modules) in {time.time() - t0:.1f} s -> {args.out}")
@@ -419,7 +419,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     u.add_argument("--dst", type=Path, default=Path("models/demo"), help="where to publish (default models/demo)")
     u.set_defaults(fn=_cmd_publish)
 
-    o = sub.add_parser("onnx", help="export the CED stages (prefill, replay, decode_step) as ONNX graphs",
+    o = sub.add_parser("onnx", help="export the stages (prefill, replay, decode_step) of a ced or deepseek_v41 "
+                       "model as ONNX graphs",
                        description=_doc("ced.onnx_export"),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     o.add_argument("--model", type=Path, default=Path("models/demo/model"), help="model folder (default: %(default)s)")

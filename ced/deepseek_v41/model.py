@@ -122,7 +122,9 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Te
     sin = -sin if inverse else sin
     rope = x[..., -R:].float()
     even, odd = rope[..., 0::2], rope[..., 1::2]
-    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+    # reshape to the known shape, not flatten: an exported graph may rotate zero entries, and ONNX cannot infer a -1
+    # from a size-0 tensor
+    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).reshape(rope.shape)
     return torch.cat([x[..., :-R], rotated.to(x.dtype)], dim=-1)
 
 
@@ -212,13 +214,13 @@ class Indexer(nn.Module):
         return torch.matmul(weights.unsqueeze(-2), per_head).squeeze(-2)  # (B, T, N)
 
     def select_in_pool(self, xn: Tensor, q_residual: Tensor, keys: Tensor, cos: Tensor, sin: Tensor,
-                       positions: Tensor, ratio: int, pool: Selection) -> Selection:
+                       positions: Tensor, ratio: int, pool: Selection, graph: bool = False) -> Selection:
         """Top-k entries for a later index source, scoring only the entries of the candidate blocks (B, T, P): its
         work is O(pool) per query, not O(context). The pool's entries are taken in entry order, so the tie rule
         (the most recent wins) is the one `select` applies over all entries."""
         config, (B, N, _) = self.config, keys.shape
         bs, T = config.candidate_block_size, xn.shape[1]
-        n_blocks = -(-N // bs)
+        n_blocks = (N + bs - 1) // bs  # not -(-N // bs): ONNX divides integers toward zero
         blocks = torch.where(pool.valid, pool.idx, n_blocks).sort(dim=-1).values  # (B, T, P), invalid ones last
         entries = (blocks[..., None] * bs + torch.arange(bs, device=keys.device)).flatten(-2)  # (B, T, P*bs)
         inside = entries < N
@@ -229,13 +231,14 @@ class Indexer(nn.Module):
         weights = self.weights_proj(xn).float() * nI ** -0.5  # (B, T, h)
         scores = torch.einsum("bth,bthm->btm", weights, per_head)  # (B, T, M)
         visible = inside & ((entries + 1) * ratio - 1 <= positions[..., None])
-        top = _top_k(scores.masked_fill(~visible, NEG_INF), config.index_topk)
+        top = _top_k(scores.masked_fill(~visible, NEG_INF), config.index_topk, graph)
         idx = entries.gather(-1, top.idx).masked_fill(~top.valid, 0)
         return Selection(idx, top.valid)
 
-    def select(self, scores: Tensor, positions: Tensor, ratio: int,
-               pool: Selection | None) -> tuple[Selection, Selection | None]:
-        """Top-k entries (and, at the candidate source, the candidate pool) from scores (B, T, N)."""
+    def select(self, scores: Tensor, positions: Tensor, ratio: int, pool: Selection | None,
+               graph: bool = False) -> tuple[Selection, Selection | None]:
+        """Top-k entries (and, at the candidate source, the candidate pool) from scores (B, T, N). `graph`: the
+        form traced for export (N unknown, maybe 0: `_top_k`'s)."""
         config, (B, T, N) = self.config, scores.shape
         group_end = (torch.arange(N, device=scores.device) + 1) * ratio - 1
         scores = scores.masked_fill(group_end[None, None] > positions[..., None], NEG_INF)
@@ -247,19 +250,28 @@ class Indexer(nn.Module):
             scores = scores.masked_fill(~allowed[:, :, block], NEG_INF)
         new_pool = None
         if self.role.is_candidate_source and config.candidate_topk_blocks:
-            n_blocks = -(-N // bs)
+            n_blocks = (N + bs - 1) // bs  # not -(-N // bs): ONNX divides integers toward zero
             blocks = F.pad(scores, (0, n_blocks * bs - N), value=NEG_INF).view(B, T, n_blocks, bs).amax(-1)
-            new_pool = _top_k(blocks, config.candidate_topk_blocks)
-        return _top_k(scores, config.index_topk), new_pool
+            new_pool = _top_k(blocks, config.candidate_topk_blocks, graph)
+        return _top_k(scores, config.index_topk, graph), new_pool
 
 
 def _last(choice: Selection | None) -> Selection | None:
     return None if choice is None else Selection(choice.idx[:, -1:], choice.valid[:, -1:])
 
 
-def _top_k(scores: Tensor, k: int) -> Selection:
+def _top_k(scores: Tensor, k: int, graph: bool = False) -> Selection:
     """The k best entries (ties to the most recent), padded with invalid slots where fewer exist. An invalid
-    slot points at entry 0, whatever the call saw: a choice does not depend on how many entries existed."""
+    slot points at entry 0, whatever the call saw: a choice does not depend on how many entries existed.
+
+    `graph`: the form traced into an exported graph, where the number of entries is unknown (maybe under k, maybe
+    0) and `min` would be frozen at the traced one: k columns of -inf go in front of the oldest entry, so there are
+    always k candidates, and `top_k_recent`'s graph form (ONNX TopK on the flipped scores) keeps the tie rule. A pad
+    or a masked entry is -inf, so invalid, so entry 0: the same Selection as the eager form's."""
+    if graph:
+        idx, values = top_k_recent(F.pad(scores, (k, 0), value=NEG_INF), k, graph=True)
+        valid = values > NEG_INF
+        return Selection((idx - k).clamp(min=0).masked_fill(~valid, 0), valid)
     n = min(k, scores.shape[-1])
     idx, values = top_k_recent(scores.contiguous(), n)
     valid = values > NEG_INF
@@ -332,14 +344,14 @@ class Attention(nn.Module):
         B, T, _ = xn.shape
         H, D = config.num_attention_heads, config.head_dim
         q = apply_rope(self.wq_b(q_residual).view(B, T, H, D), cos.unsqueeze(-2), sin.unsqueeze(-2))  # (B, T, H, D)
-        source = role.kv_source
-        has_entries = source is not None and cache.has_entries(source)
+        source, graph = role.kv_source, cache.graph
+        has_entries = source is not None and cache.has_entries(source)  # a graph's cache: always (maybe none)
         if role.is_index_source and has_entries and role.uses_candidates and pool is not None:
             selection = self.indexer.select_in_pool(xn, q_residual, cache.index_keys(source), cos, sin, positions,
-                                                    cache.ratio(source), pool)  # inside the candidate blocks
+                                                    cache.ratio(source), pool, graph)  # inside the candidate blocks
         elif role.is_index_source and has_entries:  # a new choice over the source's entries
             scores = self.indexer.scores(xn, q_residual, cache.index_keys(source), cos, sin)
-            selection, new_pool = self.indexer.select(scores, positions, cache.ratio(source), pool)
+            selection, new_pool = self.indexer.select(scores, positions, cache.ratio(source), pool, graph)
             pool = new_pool if role.is_candidate_source else pool
 
         scale = D ** -0.5
@@ -411,6 +423,17 @@ def _no_scope(token: Tensor) -> AbstractContextManager:
 
 
 class MoE(nn.Module):
+    """Routed experts (each token to its top-k) plus the shared expert.
+
+    `dense` selects the form traced into an exported graph (ced/deepseek_v41/onnx_stages.py sets it on its copy of
+    the model): the eager loop visits the experts some token chose (`ids.unique().tolist()`, data the trace would
+    freeze), the dense form runs every expert on every token and weighs each output by the routing weights, zero
+    where the expert was not chosen. Same result within float rounding (the sum runs in expert order, not
+    index_add's), at n_routed_experts / num_experts_per_tok times the routed FLOPs: 4x on the demo's 8 experts
+    top-2, 64x at the release's 384 top-6 (a graph for that size needs a gather-by-expert form instead)."""
+
+    dense = False
+
     def __init__(self, config: V41Config):
         super().__init__()
         # entered around each routed expert's call with the tokens (of the flattened batch) it computes: how a
@@ -425,6 +448,8 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # (N, C)
         ids, weights = self.gate(flat)  # (N, k)
+        if self.dense:
+            return self._dense(flat, ids, weights).view(shape)
         routed = torch.zeros_like(flat)
         for e in ids.unique().tolist():  # each chosen expert once, over its tokens
             token, slot = torch.where(ids == e)
@@ -434,6 +459,17 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(flat)
         return routed.view(shape)
+
+    def _dense(self, flat: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """The graph form: every expert over every token, weighted by its routing weight (0 if not chosen)."""
+        combine = torch.zeros(flat.shape[0], len(self.experts), dtype=weights.dtype, device=flat.device)
+        combine = combine.scatter(1, ids, weights)  # (N, n_routed): a token's k weights at its experts
+        routed = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            routed = routed + (expert(flat) * combine[:, e, None]).to(flat.dtype)
+        if self.shared_experts is not None:
+            routed = routed + self.shared_experts(flat)
+        return routed
 
 
 # -- layers and the model ----------------------------------------------------------------------------------------

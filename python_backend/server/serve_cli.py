@@ -73,9 +73,10 @@ def engine_settings(args: argparse.Namespace, model_dir: Path) -> dict[str, str]
     checked once, here."""
     from ced.families import family_of
 
-    if args.engine != "torch" and family_of(model_dir).name != "ced":
-        raise SystemExit(f"mol2 serve: --engine {args.engine} runs the ced family only (its export covers those "
-                         f"stages); {model_dir} is a {family_of(model_dir).name} model: serve it with --engine torch")
+    if args.engine == "tensorrt" and family_of(model_dir).name != "ced":
+        raise SystemExit(f"mol2 serve: --engine tensorrt runs the ced family only (its plans are built from those "
+                         f"graphs); {model_dir} is a {family_of(model_dir).name} model: serve it with --engine torch "
+                         "or onnxruntime")
     engine_dir = args.engine_dir
     if args.engine == "onnxruntime" and not engine_dir:
         from ced.engines import ensure_onnx_engine
