@@ -4,6 +4,7 @@ the engine, the conversation store, the tokenizer and the adapter-set watcher.""
 from __future__ import annotations
 
 import faulthandler
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,8 @@ from .fnv import BASE
 from .inputs import RequestError
 from .settings import ServingSettings
 from .store import ConversationStore
+
+log = logging.getLogger("mol2.engine")
 
 
 def start_model_process(settings: ServingSettings) -> None:
@@ -48,6 +51,7 @@ class Served:
         slots = settings.max_adapters if with_adapters or settings.engine != "torch" else 0
         engine = make_engine(settings.engine, settings.model_dir, slots, settings.max_rank, settings.engine_dir,
                              settings.threads)
+        log.info("serving %s with %s (--engine %s)", settings.model_dir, type(engine).__name__, settings.engine)
         served = cls(settings, engine, settings.open_store(engine.config),
                      ChatTokenizer(settings.model_dir), AdapterSetWatcher(settings.adapter_set), {}, {})
         if with_adapters:

@@ -20,6 +20,7 @@ from ced.deepseek_v41.checkpoint import load_checkpoint, write_checkpoint
 from ced.deepseek_v41.config import V41Config
 from ced.deepseek_v41.conversation import V41Conversation
 from ced.deepseek_v41.model import DeepseekV41ForCausalLM
+from ced.engines import ensure_onnx_engine
 from ced.tokenization import ChatTokenizer
 from python_backend.core.seal import SECRET_VARIABLE, create_secret_file
 from python_backend.core.settings import ROOT
@@ -82,8 +83,8 @@ def v41_server(v41_dir):
     repository = v41_dir / "model_repository"
     shutil.copytree(ROOT / "model_repository", repository)
 
-    def start(store: str = "store"):
-        env = {"MOL2_ENGINE": "torch", "MOL2_MODEL_DIR": str(v41_dir / "model"),
+    def start(store: str = "store", engine: str = "torch"):
+        env = {"MOL2_ENGINE": engine, "MOL2_MODEL_DIR": str(v41_dir / "model"),
                "MOL2_ADAPTER_SET": str(v41_dir / "adapter_set.json"), "MOL2_STORE_DIR": str(v41_dir / store),
                SECRET_VARIABLE: str(create_secret_file(v41_dir / "server.secret"))}
         return running(repository, Ports.free(), v41_dir / "triton", v41_dir / "tritonserver.log", env=env)
@@ -116,6 +117,26 @@ def test_a_v41_conversation_switching_adapters_is_the_reference_and_survives_a_r
         answer = post(ports, "/v2/models/mol2/generate", fields)
         assert "error" not in answer, answer
         answers.append(answer["text_output"])
+    assert answers == [tokenizer.decode(ids) for ids in expected]
+
+
+def test_a_v41_conversation_on_onnxruntime_is_the_reference(v41_dir, v41_server):
+    """`--engine onnxruntime`: the same Triton models on the family's exported graphs (exported once, as `mol2 serve`
+    does before starting) answer a conversation that switches adapters as the reference serial path does."""
+    ensure_onnx_engine(v41_dir / "model")
+    tokenizer, expected = ChatTokenizer(v41_dir / "model"), reference_turns(v41_dir, TURNS[:3])
+    answers, conversation = [], None
+    with v41_server(store="ort-store", engine="onnxruntime") as ports:
+        for text, adapter in TURNS[:3]:
+            fields = dict(text_input=text, adapter=adapter, max_tokens=MAX_TOKENS, ignore_eos=True)
+            if conversation:
+                fields["conversation_id"] = conversation
+            answer = post(ports, "/v2/models/mol2/generate", fields)
+            assert "error" not in answer, answer
+            assert answer["applied_adapter"] == adapter
+            conversation = answer["conversation_id_out"]
+            answers.append(answer["text_output"])
+    assert "with OrtV41Engine (--engine onnxruntime)" in (v41_dir / "tritonserver.log").read_text()
     assert answers == [tokenizer.decode(ids) for ids in expected]
 
 
