@@ -5,8 +5,9 @@ and decode run under one of them. Engines: `torch` (CEDEngine, one conversation'
 BatchedEngine the server runs, over its paged pool, one row, with the native decode kernels of ced/kernels),
 `torch_serving_no_kernels` (the same engine with the kernels turned off: torch's arithmetic), `onnxruntime` (and
 `tensorrt`). A `deepseek_v41` model (`--model models/demo-v41/model`) has three: `torch_serving` (V41Engine, which the
-server runs, its decode steps one native call each), `torch` (the same engine with the kernels off) and
-`onnxruntime` (OrtV41Engine on the family's exported graphs, ced/deepseek_v41/onnx_export.py). Each repeat times every engine in turn on the same work, so drift of the machine spreads over all rows:
+server runs, its prefill chunks, replays and decode steps one native call each), `torch` (the same engine with the
+kernels off) and `onnxruntime` (OrtV41Engine on the family's exported graphs, ced/deepseek_v41/onnx_export.py).
+Each repeat times every engine in turn on the same work, so drift of the machine spreads over all rows:
 
 - prefill: a fresh conversation's `--context` tokens through the adapter-free stage (chunks of 256);
 - replay:  a switch at that context: the last W positions through the decoder under the adapter;
