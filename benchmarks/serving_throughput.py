@@ -651,8 +651,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     model_dir = prepare_demo(args.demo)
     family = family_of(model_dir).name
-    if family != "ced" and (args.engine != "torch" or args.onnxruntime):
-        parser.error(f"the onnxruntime engine does not run the {family} family: leave out --engine / --onnxruntime")
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     long_text, long_tokens = None, 0
     if args.long_tokens > 0:
@@ -698,7 +696,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             from ced.engines import ensure_onnx_engine
 
             ort_env = {**env, "MOL2_ENGINE": "onnxruntime", "MOL2_ENGINE_DIR": str(ensure_onnx_engine(model_dir))}
-            ort_ports, _ = stack.enter_context(load.demo_server("serving_throughput_onnxruntime", ort_env))
+            ort_ports, _ = stack.enter_context(load.demo_server("serving_throughput_onnxruntime", ort_env,
+                                                                demo=args.demo))
             clients["mol2_onnxruntime"] = load.Mol2Client(f"http://{ort_ports.http_url}")
         sends: dict[str, Send] = {name: mol2_send(client, min_tokens=args.pair) for name, client in clients.items()}
         if use_vllm:
