@@ -60,14 +60,20 @@ def _samples(model: CEDForCausalLM, stage: str) -> tuple[list[torch.Tensor], lis
         elif name == "row_slots":
             t, d = torch.tensor([1]), {}
         elif kind in ("lora_a", "lora_b"):
-            linear = model.get_submodule(suffix)
-            shape = (3, 4, linear.in_features) if kind == "lora_a" else (3, linear.out_features, 4)
-            t, d = rand(*shape) * 0.01, {0: "slots", (1 if kind == "lora_a" else 2): "rank"}
+            t, d = lora_sample(model, kind, suffix, rand)
         else:
             raise AssertionError(f"no sample for input {name!r}")
         tensors.append(t)
         dims.append(d)
     return tensors, dims
+
+
+def lora_sample(model, kind: str, module: str, rand) -> tuple[torch.Tensor, dict]:
+    """A sample of a LoRA input of `module` (three slots of rank 4; kind lora_a or lora_b) and its dynamic axes, for
+    either family's graphs."""
+    linear = model.get_submodule(module)
+    shape = (3, 4, linear.in_features) if kind == "lora_a" else (3, linear.out_features, 4)
+    return rand(*shape) * 0.01, {0: "slots", (1 if kind == "lora_a" else 2): "rank"}
 
 
 def export_stage(model: CEDForCausalLM, stage: str, path: Path, opset: int = OPSET,

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..engine_files import FORMAT, config_fingerprint, weights_fingerprint, write_manifest
-from ..onnx_export import OPSET
+from ..onnx_export import OPSET, lora_sample
 from .model import DeepseekV41ForCausalLM
 from .onnx_stages import DecoderStage, PrefillStage, has_pool, io_names, lora_modules
 
@@ -63,9 +63,7 @@ def _samples(model: DeepseekV41ForCausalLM, stage: str) -> tuple[list[torch.Tens
         elif name == "row_slots":
             t, d = torch.tensor([1]), {}
         elif kind in ("lora_a", "lora_b"):
-            linear = model.get_submodule(suffix)
-            shape = (3, 4, linear.in_features) if kind == "lora_a" else (3, linear.out_features, 4)
-            t, d = rand(*shape) * 0.01, {0: "slots", (1 if kind == "lora_a" else 2): "rank"}
+            t, d = lora_sample(model, kind, suffix, rand)
         else:
             raise AssertionError(f"no sample for input {name!r}")
         tensors.append(t)
