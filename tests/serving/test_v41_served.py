@@ -91,23 +91,30 @@ def v41_server(v41_dir):
     return start
 
 
-def test_a_v41_conversation_switching_adapters_is_the_reference_and_survives_a_restart(v41_dir, v41_server):
-    tokenizer, expected = ChatTokenizer(v41_dir / "model"), reference_turns(v41_dir, TURNS)
+def converse(ports, tokenizer, turns) -> tuple[list[str], str]:
+    """One conversation's turns over HTTP generate, each under its adapter and replaying W whatever the switch:
+    the answers' texts and the conversation's id."""
     answers, conversation, context = [], None, 0
     window = V41Config.from_name("v41-tiny").sliding_window
+    for text, adapter in turns:
+        fields = dict(text_input=text, adapter=adapter, max_tokens=MAX_TOKENS, ignore_eos=True)
+        if conversation:
+            fields["conversation_id"] = conversation
+        answer = post(ports, "/v2/models/mol2/generate", fields)
+        assert "error" not in answer, answer
+        assert answer["applied_adapter"] == adapter
+        context += len(tokenizer.user_turn(tokenizer.encode(text), first=context == 0))
+        assert answer["replayed_tokens"] == min(window, context)
+        context += MAX_TOKENS
+        conversation = answer["conversation_id_out"]
+        answers.append(answer["text_output"])
+    return answers, conversation
+
+
+def test_a_v41_conversation_switching_adapters_is_the_reference_and_survives_a_restart(v41_dir, v41_server):
+    tokenizer, expected = ChatTokenizer(v41_dir / "model"), reference_turns(v41_dir, TURNS)
     with v41_server() as ports:
-        for text, adapter in TURNS[:3]:
-            fields = dict(text_input=text, adapter=adapter, max_tokens=MAX_TOKENS, ignore_eos=True)
-            if conversation:
-                fields["conversation_id"] = conversation
-            answer = post(ports, "/v2/models/mol2/generate", fields)
-            assert "error" not in answer, answer
-            assert answer["applied_adapter"] == adapter
-            context += len(tokenizer.user_turn(tokenizer.encode(text), first=context == 0))
-            assert answer["replayed_tokens"] == min(window, context)  # every turn replays W, whatever the switch
-            context += MAX_TOKENS
-            conversation = answer["conversation_id_out"]
-            answers.append(answer["text_output"])
+        answers, conversation = converse(ports, tokenizer, TURNS[:3])
         check_the_openai_api(v41_dir, ports, tokenizer)
         check_a_hot_adapter_update(v41_dir, ports)
     with v41_server() as ports:  # a new server process: the conversation comes back from the journal
@@ -125,17 +132,8 @@ def test_a_v41_conversation_on_onnxruntime_is_the_reference(v41_dir, v41_server)
     does before starting) answer a conversation that switches adapters as the reference serial path does."""
     ensure_onnx_engine(v41_dir / "model")
     tokenizer, expected = ChatTokenizer(v41_dir / "model"), reference_turns(v41_dir, TURNS[:3])
-    answers, conversation = [], None
     with v41_server(store="ort-store", engine="onnxruntime") as ports:
-        for text, adapter in TURNS[:3]:
-            fields = dict(text_input=text, adapter=adapter, max_tokens=MAX_TOKENS, ignore_eos=True)
-            if conversation:
-                fields["conversation_id"] = conversation
-            answer = post(ports, "/v2/models/mol2/generate", fields)
-            assert "error" not in answer, answer
-            assert answer["applied_adapter"] == adapter
-            conversation = answer["conversation_id_out"]
-            answers.append(answer["text_output"])
+        answers, _ = converse(ports, tokenizer, TURNS[:3])
     assert "with OrtV41Engine (--engine onnxruntime)" in (v41_dir / "tritonserver.log").read_text()
     assert answers == [tokenizer.decode(ids) for ids in expected]
 
