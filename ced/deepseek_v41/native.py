@@ -196,6 +196,10 @@ class V41Plan:
         config, like, E, S, L = self.config, self.like, self.config.decoder_start, kernels.MAX_STORES, \
             self.config.num_hidden_layers
         T, shared, start = len(tokens), state.shared, state.length
+        for store in shared.stores.values():  # a state the positions describe, else torch's path says what is wrong
+            pending = len(store.inputs) if store.ratio > 1 else 0
+            if store.n_entries != start // store.ratio or pending != start % store.ratio:
+                return None
         places = RowPlaces(T, L)
         arrays = places.arrays
         for layer in range(E + 1):
@@ -207,8 +211,6 @@ class V41Plan:
         groups = {}  # ratio >= 2: each group the chunk touches, in a buffer of its own (none handed out is written)
         for layer, s in self.stores.items():
             store, ratio = shared.stores[layer], shared.stores[layer].ratio
-            if store.n_entries != start // ratio or (ratio > 1 and len(store.inputs) != start % ratio):
-                return None  # not a state the positions describe: let torch's path say so
             new = (start + T) // ratio - start // ratio  # entries the chunk completes
             if new:
                 store.latents.reserve(new, like["latent"])
@@ -225,7 +227,8 @@ class V41Plan:
                 if ratio > 1:
                     arrays["pending"][i] = groups[layer][position // ratio - start // ratio].data_ptr()
         source = config.roles[E].kv_source
-        chosen_from = 0 if source is None else max(0, config.compress_ratios[source] - 1 - start)  # first row with an entry
+        # layer E's choices are kept from the first row whose position has an entry in the store it reads
+        chosen_from = 0 if source is None else max(0, config.compress_ratios[source] - 1 - start)
         kept = {"stream": T, "pre": T}
         if source is not None and chosen_from < T:
             kept |= {"selection.idx": T - chosen_from, "selection.valid": T - chosen_from}
