@@ -81,6 +81,11 @@ class SamplingParams:
         return (self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.min_tokens > 0)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """The most likely token, nothing else: no temperature, shaping, grammar or logprobs."""
+        return self.temperature == 0 and not self.shapes_logits and self.grammar is None and self.logprobs is None
+
 
 @dataclass
 class EngineStats:

@@ -18,6 +18,14 @@ def test_the_defaults_shape_nothing():
     assert sample(LOGITS, SamplingParams()) == 0
 
 
+@pytest.mark.parametrize("changed", [dict(temperature=0.7), dict(repetition_penalty=1.1), dict(min_tokens=2),
+                                     dict(grammar='{"type": "json"}'), dict(logprobs=2)])
+def test_only_a_plain_greedy_row_takes_the_batchs_argmax(changed):
+    """The scheduler gives a decode step's argmax straight to plain greedy rows; anything else samples itself."""
+    assert SamplingParams(temperature=0.0).plain_greedy
+    assert not SamplingParams(**{"temperature": 0.0, **changed}).plain_greedy
+
+
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
     shaped = shaped_logits(LOGITS, SamplingParams(repetition_penalty=2.0), context=[0, 3, 0], generated=[],
                            stop_ids=())

@@ -429,14 +429,16 @@ class Scheduler:
         logits = self.engine.step([t.row for t in rows], [t.next_token for t in rows], [t.adapter for t in rows])
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(rows)
-        for turn, row_logits in zip(rows, logits):
+        most_likely = logits.argmax(dim=1).tolist()  # one call for every greedy row (one a row: 20 us each)
+        for turn, row_logits, best in zip(rows, logits, most_likely):
             if turn.last:
                 self._finish(turn)
             else:
-                self._next(turn, row_logits)
+                self._next(turn, row_logits, best)
 
-    def _next(self, turn: Turn, logits: Tensor) -> None:
-        """Sample the turn's next token and send it; it is appended by the next step (as CEDEngine.generate)."""
+    def _next(self, turn: Turn, logits: Tensor, most_likely: int | None = None) -> None:
+        """Sample the turn's next token and send it; it is appended by the next step (as CEDEngine.generate).
+        `most_likely`: the logits' argmax where the caller has it, the token of a plain greedy turn."""
         if len(turn.generated) >= turn.max_tokens or turn.row.length >= self.engine.config.max_context:
             turn.finish_reason = "length"
             self._finish(turn)
@@ -451,7 +453,9 @@ class Scheduler:
             if sampling.shapes_logits:  # penalties or min_tokens: they read the conversation's tokens
                 eos = () if turn.ignore_eos else self.tokenizer.stop_ids
                 history = (turn.row.tokens, turn.generated, set(eos) | set(stops))
-            if sampling.logprobs is None:
+            if most_likely is not None and sampling.plain_greedy:
+                token = most_likely
+            elif sampling.logprobs is None:
                 token = sample(logits, sampling, turn.generator, *history)
             else:
                 token, logprobs = sample_with_logprobs(logits, sampling, sampling.logprobs, turn.generator, *history)
