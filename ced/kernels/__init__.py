@@ -264,7 +264,10 @@ def step_threads(free_cpus, most: int):
 
 
 def check(code: int) -> None:
-    """A kernel's return code: nonzero where a LoRA rank is above the kernel's limit."""
+    """A kernel's return code: -1 where a LoRA rank is above the kernel's limit, -2 where `v41_run` was asked to
+    start at a site whose inputs it does not read (a caller's bug)."""
+    if code == -2:
+        raise RuntimeError("v41_run starts at the embedding (site 0) or after layer E's attention (site 2E + 1) only")
     if code:
         raise ValueError("a LoRA rank above the native kernel's limit (1024)")
 

@@ -89,3 +89,17 @@ def test_no_store_tensor_appears_before_its_first_entry(engine):
     state = engine.new_conversation()
     engine.prefill(state, tokens(4, 2))
     assert state.shared.stores[1].latent is None and state.shared.stores[1].pending.shape[1] == 2
+
+
+def test_a_call_from_a_site_whose_inputs_it_does_not_read_is_refused(engine):
+    """Only the embedding (a step, a prefill chunk) or layer E's tails (a replay) start a call; nothing is run."""
+    import ctypes
+
+    from ced.deepseek_v41.native import RowPlaces
+
+    rows = RowPlaces(1, engine.config.num_hidden_layers).rows(1)
+    code = kernels.library().v41_run(ctypes.byref(rows), ctypes.byref(engine.native.model_struct()), None, 1, 2,
+                                     None, None, 1)
+    assert code == -2
+    with pytest.raises(RuntimeError, match="site 0"):
+        kernels.check(code)
