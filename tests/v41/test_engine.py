@@ -364,8 +364,6 @@ def test_the_scheduler_serves_a_v41_conversation_as_the_serial_engine(tmp_path, 
     """The server's loop (python_backend/core/scheduler.py) over RowEngine(V41Engine) and the real journal: three
     turns that switch adapters give the tokens of the serial engine's turn + generate, and the store keeps them."""
     from ced.tokenization import ChatTokenizer
-    from python_backend.core.routing import RouteDecision
-    from python_backend.core.scheduler import Scheduler, Turn
     from python_backend.core.store import ConversationStore
 
     config = tiny_v41.replace(vocab_size=320)  # the byte tokenizer's ids and its specials (no tokenizer.json)
@@ -376,34 +374,9 @@ def test_the_scheduler_serves_a_v41_conversation_as_the_serial_engine(tmp_path, 
         engine.adapters.load("all", random_adapter(tmp_path / "all", engine.adapter_set.modules, lambda n: True))
         return engine
 
-    class Sink:
-        def __init__(self):
-            self.tokens, self.done, self.error = [], False, None
-
-        def token(self, token, turn):
-            self.tokens.append(token)
-
-        def finished(self, turn):
-            self.done = True
-
-        def failed(self, error, turn):
-            self.error = error
-
-        def cancelled(self):
-            return False
-
     script = [("hello there", "all"), ("and again", None), ("a third turn", "all")]
     store = ConversationStore(tmp_path / "store", config)
-    scheduler = Scheduler(RowEngine(make_engine()), store, tokenizer, lambda decision: decision.adapter, lambda: [],
-                          prefill_chunk=64, token_budget=80)
-    served = []
-    for i, (text, adapter) in enumerate(script):
-        sink, decision = Sink(), RouteDecision(adapter, 0)
-        scheduler.submit(Turn("c1", tokenizer.encode(text), lambda pooled, d=decision: d, sink, max_tokens=6,
-                              explicit=True, new=i == 0))
-        scheduler.drain()
-        assert sink.done and sink.error is None, sink.error
-        served.append(sink.tokens)
+    served = serve_script(make_engine(), store, tokenizer, script)
     serial = make_engine()
     state, expected = serial.new_conversation(), []
     for text, adapter in script:
@@ -411,3 +384,41 @@ def test_the_scheduler_serves_a_v41_conversation_as_the_serial_engine(tmp_path, 
         expected.append(list(serial.generate(state, adapter, logits, 6, stop_tokens=tokenizer.stop_ids)))
     assert served == expected and all(len(tokens) == 6 for tokens in served)
     assert_same_shared(store.load("c1"), state)
+
+
+class ListSink:
+    """A turn's tokens, kept in a list (the scheduler's TurnSink)."""
+
+    def __init__(self):
+        self.tokens, self.done, self.error = [], False, None
+
+    def token(self, token, turn):
+        self.tokens.append(token)
+
+    def finished(self, turn):
+        self.done = True
+
+    def failed(self, error, turn):
+        self.error = error
+
+    def cancelled(self):
+        return False
+
+
+def serve_script(engine, store, tokenizer, script, max_tokens: int = 6) -> list[list[int]]:
+    """One conversation's turns (text, adapter) through the server's loop over RowEngine(engine): each turn's
+    tokens, every turn checked to have ended without error."""
+    from python_backend.core.routing import RouteDecision
+    from python_backend.core.scheduler import Scheduler, Turn
+
+    scheduler = Scheduler(RowEngine(engine), store, tokenizer, lambda decision: decision.adapter, lambda: [],
+                          prefill_chunk=64, token_budget=80)
+    served = []
+    for i, (text, adapter) in enumerate(script):
+        sink, decision = ListSink(), RouteDecision(adapter, 0)
+        scheduler.submit(Turn("c1", tokenizer.encode(text), lambda pooled, d=decision: d, sink,
+                              max_tokens=max_tokens, explicit=True, new=i == 0))
+        scheduler.drain()
+        assert sink.done and sink.error is None, sink.error
+        served.append(sink.tokens)
+    return served

@@ -24,6 +24,7 @@ from ced.engines import make_engine
 from ced.row_engine import RowEngine
 
 from test_batched_step import state_tensors
+from test_engine import serve_script
 
 # Of the largest |logit| (or of the largest |value| of a state tensor). Both run float32; the graphs sum in
 # another order (the dense MoE adds every expert's output, ORT's matmuls and reductions): measured ~1e-6.
@@ -193,44 +194,17 @@ def test_the_scheduler_serves_the_same_tokens_on_onnxruntime(built, tmp_path, ra
     """The server's loop (python_backend/core/scheduler.py) over RowEngine(OrtV41Engine) and the real journal:
     three turns that switch adapters give the torch engine's greedy tokens, and the store keeps the state."""
     from ced.tokenization import ChatTokenizer
-    from python_backend.core.routing import RouteDecision
-    from python_backend.core.scheduler import Scheduler, Turn
     from python_backend.core.store import ConversationStore
 
     model_dir, onnx_dir = built
     tokenizer = ChatTokenizer(tmp_path / "no_tokenizer")  # the byte tokenizer: ids below 320
-
-    class Sink:
-        def __init__(self):
-            self.tokens, self.done, self.error = [], False, None
-
-        def token(self, token, turn):
-            self.tokens.append(token)
-
-        def finished(self, turn):
-            self.done = True
-
-        def failed(self, error, turn):
-            self.error = error
-
-        def cancelled(self):
-            return False
 
     script = [("hello there", "all"), ("and again", None), ("a third turn", "experts")]
     with kernels.turned_off():
         ours = make_engine("onnxruntime", model_dir, engine_dir=onnx_dir, threads=1)
         load_adapters(ours, tmp_path, random_adapter)
         store = ConversationStore(tmp_path / "store", ours.config)
-        scheduler = Scheduler(RowEngine(ours), store, tokenizer, lambda decision: decision.adapter, lambda: [],
-                              prefill_chunk=64, token_budget=80)
-        served = []
-        for i, (text, adapter) in enumerate(script):
-            sink, decision = Sink(), RouteDecision(adapter, 0)
-            scheduler.submit(Turn("c1", tokenizer.encode(text), lambda pooled, d=decision: d, sink, max_tokens=6,
-                                  explicit=True, new=i == 0))
-            scheduler.drain()
-            assert sink.done and sink.error is None, sink.error
-            served.append(sink.tokens)
+        served = serve_script(ours, store, tokenizer, script)
         reference = V41Engine(load_checkpoint(model_dir)[1])
         load_adapters(reference, tmp_path, random_adapter)
         state, expected = reference.new_conversation(), []
