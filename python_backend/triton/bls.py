@@ -1,6 +1,7 @@
 """The prefill side of a turn as BLS calls from a Python model, for the `route` model (a client with its own router
 asks for a decision only) and the disaggregated relay (python_backend/triton/front.py): tokenize -> prefill -> router,
-every internal request sealed. Imports no torch: the `route` model only calls the others.
+every internal request sealed (the relay tokenizes a turn itself and calls prefill with its ids). Imports no torch:
+the `route` model only calls the others.
 
 `pb` (triton_python_backend_utils) is passed in, so the logic is tested without a server.
 """

@@ -1,10 +1,12 @@
 """The `decode` Triton model (decoupled): maps the transfer's adapter hash through this server's registry, replays W
-positions under that adapter, then streams token ids (one response per token with `stream`, else one aggregated
-response) for the relay on the prefill server to turn into text (python_backend/triton/front.py).
+positions under that adapter, then streams token ids (a response per token with `stream`, or one for the several
+that came while its responder was busy; else one aggregated response) for the relay on the prefill server to turn into
+text (python_backend/triton/front.py).
 
 Every request is a handed turn of the scheduler (python_backend/core/scheduler.py), which replays and decodes all
 of them together, each under its own adapter (in one batch on the torch engine, a row at a time on exported graphs):
-`execute` checks and hands over, the scheduler's thread sends the responses.
+`execute` checks and hands over, the scheduler's thread queues each turn's responses and a responder thread sends
+them (a send waits for Triton's process: 16 of those a step held up the decode step).
 
 With `_return_state` (a disaggregated prefill server's relay) the final state comes back in `_state_out`, in a last
 response of its own, sealed in `_state_seal`, and the store is not touched: the prefill server owns it. A turn of no
@@ -19,8 +21,10 @@ is tested without a server.
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 from ced.engine import SamplingParams
@@ -76,12 +80,25 @@ class DecodeModel:
         self.sealer = Sealer.from_environment()
         self._answered = threading.Condition()
         self._outstanding = 0  # handed turns not answered yet
+        # what HandedSink queues: each turn's responses, sent in order by the one responder thread
+        self._responses: queue.SimpleQueue = queue.SimpleQueue()
+        self._responder = threading.Thread(target=self._respond, name="mol2-decode-responder", daemon=True)
+        self._responder.start()
         self.scheduler = Scheduler(self.served.serving_engine(), self.served.store, self.served.tokenizer,
                                    self._engine_adapter, self.served.sync_current, prefix_cache_bytes=0).start()
 
     def finalize(self) -> None:
         self.scheduler.stop()
+        self._responses.put(None)
+        self._responder.join(timeout=60)
         self.counters.close()
+
+    def _respond(self) -> None:
+        while (work := self._responses.get()) is not None:
+            try:
+                work()
+            except Exception:  # noqa: BLE001 - a client gone mid-stream must not stop the others' responses
+                self.pb.Logger.log_error(f"decode: a response could not be sent: {traceback.format_exc()}")
 
     def idle(self, timeout_s: float = 60.0) -> bool:
         """Whether every handed turn has been answered within `timeout_s` (tests)."""
@@ -165,27 +182,50 @@ class DecodeModel:
 
 
 class HandedSink:
-    """A handed turn's responses, sent from the scheduler's thread: a response per token when streaming, then the
-    last one (and, to a prefill server, the state it gets back)."""
+    """A handed turn's responses, made on the scheduler's thread and sent on the model's responder: a response per
+    token when streaming (or per run of tokens that waited for the responder), then the last one (and, to a prefill
+    server, the state it gets back)."""
 
     def __init__(self, model: DecodeModel, parsed: ParsedDecode, sender, wanted: frozenset[str]):
         self.model, self.parsed, self.sender, self.wanted = model, parsed, sender, wanted
-        self._lock = threading.Lock()  # `cancelled` asks the sender, which must not be asked once it is final
+        self._lock = threading.Lock()  # over `_unsent` and `_final` (`cancelled` must not ask a sender once final)
         self._final = False
+        self._unsent: list[tuple[int, list | None]] = []  # (token, its logprobs entry) not sent yet
+        self._flush_queued = False
         self._next_check = 0.0  # Triton is asked at most every CANCEL_CHECK_S (each ask crosses to the server)
 
+    # The scheduler's thread calls these; what they send is queued for the model's responder (DecodeModel._respond),
+    # with what they read of the turn taken now. Tokens wait in `_unsent` until the responder sends them: one
+    # response for all that came while it was busy, so a responder that falls behind sends fewer, fuller responses.
+
     def token(self, token: int, turn: Turn) -> None:
-        parsed, counters = self.parsed, self.model.counters
-        if not parsed.ids:
-            parsed.replayed = turn.replayed
-            counters.add("mol2_routes_applied", turn.decision.adapter)
-            counters.add("mol2_replayed_tokens", turn.decision.adapter, turn.replayed)
-        parsed.ids.append(token)
-        if parsed.stream:
-            self.sender.send(self.model.respond(parsed, 1, False, self.wanted, turn.decision.adapter,
-                                                logprobs=token_logprobs(turn, turn.logprobs[-1:])))
+        with self._lock:
+            self._unsent.append((token, token_logprobs(turn, turn.logprobs[-1:])))
+            if self._flush_queued:
+                return
+            self._flush_queued = True
+        self.model._responses.put(lambda: self._send_tokens(turn.decision.adapter, turn.replayed))
 
     def finished(self, turn: Turn) -> None:
+        self.model._responses.put(lambda: self._finished(turn))
+
+    def failed(self, error: Exception, turn: Turn) -> None:
+        self.model._responses.put(lambda: self._failed(error))
+
+    def _send_tokens(self, adapter: str, replayed: int) -> None:
+        with self._lock:
+            unsent, self._unsent, self._flush_queued = self._unsent, [], False
+        parsed, counters = self.parsed, self.model.counters
+        if not parsed.ids:
+            parsed.replayed = replayed
+            counters.add("mol2_routes_applied", adapter)
+            counters.add("mol2_replayed_tokens", adapter, replayed)
+        parsed.ids.extend(token for token, _ in unsent)
+        if parsed.stream:
+            logprobs = [entry for _, entries in unsent for entry in entries or ()] or None
+            self.sender.send(self.model.respond(parsed, len(unsent), False, self.wanted, adapter, logprobs=logprobs))
+
+    def _finished(self, turn: Turn) -> None:
         model, parsed, request = self.model, self.parsed, self.parsed.request
         model.counters.add("mol2_requests", turn.decision.adapter)
         try:
@@ -200,13 +240,13 @@ class HandedSink:
                 last.append(response(model.pb, model.outputs.tensors(_state_out=state, _state_seal=seal),
                                      self.wanted))
         except Exception as error:  # noqa: BLE001 - the reply could not be made: this turn fails, the loop goes on
-            self.failed(error, turn)
+            self._failed(error)
             return
         for earlier in last[:-1]:
             self.sender.send(earlier)
         self._send_final(last[-1])
 
-    def failed(self, error: Exception, turn: Turn) -> None:
+    def _failed(self, error: Exception) -> None:
         if isinstance(error, CancelledTurn):  # the client went away: nothing more to say, the turn is dropped
             self._send_final(None)
         else:

@@ -9,6 +9,7 @@ prefilled and routed as a turn of no conversation, decoded there, and stored now
 from __future__ import annotations
 
 import queue
+import threading
 from typing import Callable, Iterator
 
 import numpy as np
@@ -18,6 +19,7 @@ from ced.tokenization import ChatTokenizer
 from ..core.detokenize import check_ids, text_delta
 from ..core.delta_transfer import BASE_REFUSED, DELTA, Count, Outgoing, RelayTransfers, no_count
 from ..core.engine_core import stateless_prompt
+from ..core.inputs import as_text, text_size
 from ..core.seal import DECODE, RETURNED, Sealer, decode_fields, returned_fields
 from ..core.store import ConversationStore, check_id
 from ..core.transfer import TransferError
@@ -37,6 +39,19 @@ ANSWER_OUTPUTS = ("applied_adapter", "replayed_tokens", "output_tokens", "route_
                   "finish_reason", "logprobs")
 
 
+_clients = threading.local()  # each relay thread's gRPC client per decode server, kept from turn to turn
+
+
+def _client(url: str):
+    """This thread's client of the decode server at `url`: its channel (a connection) made once, not every turn."""
+    import tritonclient.grpc as grpcclient
+
+    clients = _clients.__dict__.setdefault("by_url", {})
+    if url not in clients:
+        clients[url] = grpcclient.InferenceServerClient(url)
+    return clients[url]
+
+
 def remote_decode(url: str, model: str, inputs: dict[str, np.ndarray], timeout_s: float = 600.0) -> Iterator:
     """Stream one request to a decode server over Triton gRPC; yields its responses (tritonclient InferResult)."""
     import tritonclient.grpc as grpcclient
@@ -48,7 +63,7 @@ def remote_decode(url: str, model: str, inputs: dict[str, np.ndarray], timeout_s
         tensor.set_data_from_numpy(value)
         grpc_inputs.append(tensor)
     responses: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
+    client = _client(url)
     finished = False
     try:
         try:
@@ -71,7 +86,6 @@ def remote_decode(url: str, model: str, inputs: dict[str, np.ndarray], timeout_s
                 return
     finally:  # closed before the end (the client cancelled, or an error): cancel the turn on the decode server too
         client.stop_stream(cancel_requests=not finished)
-        client.close()
 
 
 class Relay:
@@ -111,8 +125,10 @@ class Relay:
             self.store.begin_turn(check_id(conversation_id))  # a second turn on it is refused until this one ends
         pending = None
         try:
-            prefilled = prefill_request(self.call, self.sealer, fields.get("text_input"), conversation_id,
-                                        route_only=False, ids=fields.get("_text_ids"))
+            ids = fields.get("_text_ids")
+            if ids is None:
+                ids = self._tokenize(fields["text_input"])
+            prefilled = prefill_request(self.call, self.sealer, None, conversation_id, route_only=False, ids=ids)
             if not conversation_id:  # a new conversation: its id exists from now (refused here at the store's limits)
                 conversation_id = _text(prefilled["_conversation_id"])
                 self.store.begin_turn(conversation_id)
@@ -138,6 +154,15 @@ class Relay:
             if conversation_id:
                 self.store.end_turn(conversation_id)  # only the lock this relay took
         send(pending, True)  # only now: a client may send the next turn the moment it has this answer
+
+    def _tokenize(self, text_input: np.ndarray) -> np.ndarray:
+        """The turn's text as the `tokenize` model makes it ids, here: a BLS call to it was a round trip between
+        processes on every turn (and a queue at its one instance)."""
+        self.store.limits.check_text("text_input", text_size(text_input), self.tokenizer.max_token_bytes)
+        text = as_text(text_input, "text_input")
+        if not text:
+            raise RequestError("text_input is empty")
+        return np.asarray(self.tokenizer.encode(text), dtype=np.int64)
 
     def _run_stateless(self, fields: dict[str, np.ndarray], send: Callable, cancelled: Callable[[], bool]) -> None:
         """A whole chat or prompt (the OpenAI API's requests): rendered here as the single server's engine renders

@@ -58,6 +58,16 @@ def _text(value: np.ndarray) -> str:
     return item.decode() if isinstance(item, bytes) else str(item)
 
 
+class ByteTokenizer(ChatTokenizer):
+    """The demo tokenizer, but a turn's text is its UTF-8 bytes as ids: ids in this small model's vocabulary."""
+
+    def __init__(self):
+        super().__init__(ROOT / "models" / "demo" / "model")
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+
 class Result:
     def __init__(self, **outputs):
         self.outputs = outputs
@@ -99,7 +109,7 @@ class Pair:
                                    ConversationStore(root / "decode", engine.config), type("T", (), {"stop_ids": ()})(),
                                    self.adapter_of, lambda: [], prefix_cache_bytes=0)
         self.relay = Relay(self.call, self.store, "router", "decode:1", "decode", SEALER, self.decode,
-                           self.counter("relay"), tokenizer=ChatTokenizer(ROOT / "models" / "demo" / "model"))
+                           self.counter("relay"), tokenizer=ByteTokenizer())
         self.generated: list[int] = []  # the ids the last turn's decode generated
         self.sent: list[tuple[str, int, bytes]] = []  # (kind, bytes to decode, the full state prefill made)
         self.received: list[tuple] = []  # the state decode received (exact), per attempt it accepted
@@ -114,8 +124,6 @@ class Pair:
         return count
 
     def call(self, model, inputs, outputs):
-        if model == "tokenize":
-            return {"_text_ids": np.frombuffer(_text(inputs["text_input"]).encode(), np.uint8).astype(np.int64)}
         if model == "prefill":
             conversation_id = _text(inputs["conversation_id"]) if "conversation_id" in inputs else None
             SEALER.check(PREFILL, _text(inputs["_seal"]), **prefill_fields(conversation_id, False,

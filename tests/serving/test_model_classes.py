@@ -5,6 +5,8 @@ logged 500, while the others of the batch are served."""
 from __future__ import annotations
 
 import re
+import threading
+import time
 from collections import Counter
 from types import SimpleNamespace
 
@@ -287,7 +289,9 @@ def test_decode(pb, config):
     assert model.idle()  # the scheduler's thread sends the responses
 
     *tokens, (last, flags) = streamed.sender.sent
-    assert len(tokens) == 3 and all(f == 0 for _, f in tokens) and flags == FINAL
+    # a response per token, or fewer carrying several where the responder fell behind (test_decode_coalesces...)
+    assert sum(int(r.tensors["_fresh"][0]) for r, _ in tokens) == 3 and all(f == 0 for _, f in tokens)
+    assert flags == FINAL
     for response, _ in streamed.sender.sent:
         assert_outputs(response, config("decode"), asked)
     assert last.tensors["output_tokens"].tolist() == [3] and last.tensors["_fresh"].tolist() == [0]
@@ -344,6 +348,28 @@ def test_decode_batches_the_turns_it_is_handed(pb, config):
     stats = model.scheduler.stats
     steps = stats.decode_steps - steps_before
     assert steps <= 8 and stats.decode_rows == 24 and stats.decode_rows / stats.decode_steps >= 3, stats
+    model.finalize()
+
+
+def test_decode_coalesces_the_tokens_that_wait_for_its_responder(pb, config):
+    """The scheduler's thread only queues a handed turn's responses; the tokens that come while the responder is
+    busy go out as one response (their `_fresh` count), so a responder that falls behind sends fewer, fuller ones."""
+    model = DecodeModel(pb, config("decode"))
+    busy, release = threading.Event(), threading.Event()
+    model._responses.put(lambda: (busy.set(), release.wait(60)))  # the responder held up, as by a slow send
+    assert busy.wait(60)
+    request = decode_request(pb, config, "k1", ("_ids", "_fresh", "_last", "output_tokens"), stream=True)
+    model.execute([request])
+    deadline = time.monotonic() + 60
+    while model._responses.qsize() < 2 and time.monotonic() < deadline:  # the turn's tokens and its end queued
+        time.sleep(0.01)
+    assert request.sender.sent == []
+    release.set()
+    assert model.idle()
+    (tokens, flags), (last, final) = request.sender.sent
+    assert (flags, final) == (0, FINAL)
+    assert tokens.tensors["_fresh"].tolist() == [3] and tokens.tensors["output_tokens"].tolist() == [3]
+    assert last.tensors["_fresh"].tolist() == [0]
     model.finalize()
 
 

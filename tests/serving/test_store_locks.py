@@ -147,6 +147,8 @@ def test_the_relay_holds_the_turn_lock_in_its_own_process(engine, tmp_path):
     turn runs is refused before any stage is called, and a new conversation over the limits stores nothing."""
     import numpy as np
 
+    from ced.tokenization import ChatTokenizer
+    from python_backend.core.settings import ROOT
     from python_backend.triton.front import Relay
     from python_backend.core.seal import Sealer
 
@@ -154,17 +156,16 @@ def test_the_relay_holds_the_turn_lock_in_its_own_process(engine, tmp_path):
     engine.turn(state, list(range(12)), "A1")
     store = ConversationStore(tmp_path, engine.config, limits=Limits(max_conversations=1))
     store.save("c1", state)
+    tokenizer = ChatTokenizer(ROOT / "models" / "demo" / "model")
     calls = []
 
     def call(model, inputs, outputs):
         calls.append(model)
-        if model == "tokenize":
-            return {"_text_ids": np.arange(3)}
         return {"_h19": np.zeros(4, np.float32), "_state": np.zeros(1, np.uint8), "_transfer_meta": np.array([12, 0]),
                 "_conversation_id": np.array([b"fresh"], dtype=object)}
 
     relay = Relay(call, store, "router", "host:1", "decode", Sealer(bytes(range(32))),
-                  lambda *args: pytest.fail("decode must not be reached"), tokenizer=None)
+                  lambda *args: pytest.fail("decode must not be reached"), tokenizer=tokenizer)
     other = ConversationStore(tmp_path, engine.config)  # another process's turn on c1, in effect
     other.begin_turn("c1")
     with pytest.raises(ConversationBusy, match="'c1' already has a turn in progress"):
@@ -174,4 +175,4 @@ def test_the_relay_holds_the_turn_lock_in_its_own_process(engine, tmp_path):
     other.end_turn("c1")
     with pytest.raises(LimitError, match=r"max_conversations=1"):
         relay.run({"text_input": np.array([b"hi"], dtype=object)}, lambda *args: None)
-    assert calls == ["tokenize", "prefill"] and not store.exists("fresh") and not (tmp_path / "fresh.lock").exists()
+    assert calls == ["prefill"] and not store.exists("fresh") and not (tmp_path / "fresh.lock").exists()
