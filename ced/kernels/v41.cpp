@@ -451,7 +451,15 @@ int attention_site(Step& s, const V41Layer* L, int layer) {
     float* qb = q.data() + b * H * D;
     rope(qb, H, D, m->R, m->inv_freq[L->rope], pos, 1.0f);
     std::vector<float> weights(H * S), dots(H);  // (H, S): each head's scores, then its softmax weights
+    const bool by_four = H % 4 == 0 && D % 16 == 0;
     for (long j = 0; j < S; ++j) {
+      if (by_four) {  // four heads' trees reduced side by side: dots_of's sums, bit for bit, in fewer adds
+        for (long h0 = 0; h0 < H; h0 += 4) {
+          const v4 four = dots4(qb + h0 * D, values[j], D);
+          for (int k = 0; k < 4; ++k) weights[(h0 + k) * S + j] = four[k] * scale;
+        }
+        continue;
+      }
       dots_of(qb, H, values[j], D, dots.data());  // every head against the row, read once
       for (long head = 0; head < H; ++head) weights[head * S + j] = dots[head] * scale;
     }
