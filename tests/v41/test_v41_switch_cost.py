@@ -34,6 +34,7 @@ def test_replay_runs_w_positions_at_every_context_and_the_baseline_all(bench):
         assert row["replay_positions"] == W, row  # flat work: W positions, not the context
         assert row["replay_ms"] > 0 and row["baseline_ms"] > 0
         assert 0 < row["replay_indexer_ms"] < row["replay_ms"]  # the decoder's reindex layer scored, inside the replay
+        assert row["served_replay_ms"] > 0  # the server's engine timed beside them
     by = {(r["context_tokens"], r["adapters_visited"]): r for r in rows}
     for c in CONTEXTS:  # ours holds one state whatever was visited; the baseline one full state per adapter
         assert by[c, 1]["state_bytes"] == by[c, 2]["state_bytes"]
@@ -43,6 +44,18 @@ def test_replay_runs_w_positions_at_every_context_and_the_baseline_all(bench):
     bench.decoded = 0
     bench.theirs(history, "adapter1")
     assert bench.decoded == CONTEXTS[1]  # the baseline recomputes the whole context
+
+
+def test_the_served_switch_is_the_reference_switch(bench):
+    """`served_replay_ms` times the server's engine (V41Engine, on its own copy of the weights and adapters) doing
+    the very switch `replay_ms` times on the reference path: W positions, the same next-token logits."""
+    history = bench.history(CONTEXTS[1])
+    bench.adapters.use("adapter1")
+    reference = history[0].replay("adapter1")
+    bench.adapters.use(None)
+    served, replayed = bench.engine.replay(history[2], "adapter1")
+    assert replayed == bench.config.sliding_window
+    torch.testing.assert_close(served, reference, rtol=0, atol=1e-5 * float(reference.abs().max()))
 
 
 def test_the_baseline_is_a_full_recompute_under_the_target(bench):
