@@ -1,5 +1,6 @@
 """The front end's one connection to Triton: each OpenAI request is one gRPC stream to the decoupled `engine` model
-(one response per token; on a disaggregated prefill server the `mol2` relay, which takes the same inputs), on a single
+(a response per token, or per run of tokens where a disaggregated decode server sent several at once; on a
+disaggregated prefill server the `mol2` relay, which takes the same inputs), on a single
 asyncio channel, so concurrent requests reach the engine together and its scheduler batches them.
 
 The stream ends when the server has sent the request's last response (the request side is closed after the one
