@@ -85,7 +85,11 @@ def remote_decode(url: str, model: str, inputs: dict[str, np.ndarray], timeout_s
                 finished = True
                 return
     finally:  # closed before the end (the client cancelled, or an error): cancel the turn on the decode server too
-        client.stop_stream(cancel_requests=not finished)
+        try:
+            client.stop_stream(cancel_requests=not finished)
+        except Exception:  # a stream that did not close would refuse the next: this thread makes a new client
+            _clients.by_url.pop(url, None)
+            raise
 
 
 class Relay:
