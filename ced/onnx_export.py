@@ -27,42 +27,53 @@ from .model import CEDForCausalLM
 from .onnx_stages import DecoderStage, PrefillStage, io_names, lora_modules
 
 OPSET = 18
-_T, _PAST, _ENTRIES, _PENDING = 5, 3, 2, 2  # sample lengths: all >= 2 so that export keeps them symbolic
+SAMPLE_T, _PAST, _ENTRIES, _PENDING = 5, 3, 2, 2  # sample lengths: all >= 2 so that export keeps them symbolic
 
 
 def _samples(model: CEDForCausalLM, stage: str) -> tuple[list[torch.Tensor], list[dict]]:
     """Sample inputs of a stage and, per input, which dimensions are dynamic (by name)."""
     c = model.ced
     H, D, C, I, K = c.n_heads, c.head_dim, c.hidden_size, c.index_dim, c.index_top_k
+
+    def own(name: str, kind: str, suffix: str, rand, g) -> tuple[torch.Tensor, dict]:
+        if kind in ("window_k", "window_v"):
+            return rand(1, H, _PAST, D), {2: f"past_{suffix}"}
+        if kind in ("global_k", "global_v"):
+            return rand(1, _ENTRIES, H, D), {1: f"entries_{suffix or c.decoder_start}"}
+        if kind == "index_keys":
+            return rand(1, _ENTRIES, I), {1: f"entries_{suffix or c.decoder_start}"}
+        if kind == "pending":
+            return rand(1, _PENDING, C), {1: f"pending_{suffix}"}
+        if name == "stream":
+            return rand(1, SAMPLE_T, C), {1: "tokens"}
+        if name == "selection_idx":
+            return torch.randint(0, _ENTRIES, (1, SAMPLE_T, K), generator=g), {1: "tokens"}
+        if name == "selection_valid":
+            return torch.rand(1, SAMPLE_T, K, generator=g) > 0.5, {1: "tokens"}
+        raise AssertionError(f"no sample for input {name!r}")
+
+    return samples(model, io_names(model, stage)[0], c.vocab_size, own)
+
+
+def samples(model, names: list[str], vocab_size: int, own) -> tuple[list[torch.Tensor], list[dict]]:
+    """Either family's sample inputs named `names` and, per input, its dynamic axes: the token ids, the start, the
+    rows' adapter slots and the LoRA inputs here, the family's own state from `own(name, kind, suffix, rand, g)`
+    (kind and suffix: the name split at its first "."). One seeded generator for all, in the names' order."""
     g = torch.Generator().manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
     tensors, dims = [], []
-    for name in io_names(model, stage)[0]:
+    for name in names:
         kind, _, suffix = name.partition(".")
         if name == "input_ids":
-            t, d = torch.randint(0, c.vocab_size, (1, _T), generator=g), {1: "tokens"}
+            t, d = torch.randint(0, vocab_size, (1, SAMPLE_T), generator=g), {1: "tokens"}
         elif name == "start":
             t, d = torch.tensor(7), {}
-        elif kind in ("window_k", "window_v"):
-            t, d = rand(1, H, _PAST, D), {2: f"past_{suffix}"}
-        elif kind in ("global_k", "global_v"):
-            t, d = rand(1, _ENTRIES, H, D), {1: f"entries_{suffix or c.decoder_start}"}
-        elif kind == "index_keys":
-            t, d = rand(1, _ENTRIES, I), {1: f"entries_{suffix or c.decoder_start}"}
-        elif kind == "pending":
-            t, d = rand(1, _PENDING, C), {1: f"pending_{suffix}"}
-        elif name == "stream":
-            t, d = rand(1, _T, C), {1: "tokens"}
-        elif name == "selection_idx":
-            t, d = torch.randint(0, _ENTRIES, (1, _T, K), generator=g), {1: "tokens"}
-        elif name == "selection_valid":
-            t, d = torch.rand(1, _T, K, generator=g) > 0.5, {1: "tokens"}
         elif name == "row_slots":
             t, d = torch.tensor([1]), {}
         elif kind in ("lora_a", "lora_b"):
             t, d = lora_sample(model, kind, suffix, rand)
         else:
-            raise AssertionError(f"no sample for input {name!r}")
+            t, d = own(name, kind, suffix, rand, g)
         tensors.append(t)
         dims.append(d)
     return tensors, dims

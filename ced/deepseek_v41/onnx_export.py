@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 
 from ..engine_files import FORMAT, config_fingerprint, weights_fingerprint, write_manifest
-from ..onnx_export import OPSET, lora_sample
+from ..onnx_export import OPSET, SAMPLE_T, samples
 from .model import DeepseekV41ForCausalLM
 from .onnx_stages import DecoderStage, PrefillStage, has_pool, io_names, lora_modules
 
 STAGES = ("prefill", "replay", "decode_step")
-_T, _PAST, _ENTRIES, _PENDING = 5, 3, 3, 2  # sample lengths: all >= 2 so that export keeps them symbolic
+_PAST, _ENTRIES, _PENDING = 3, 3, 2  # sample lengths (and SAMPLE_T tokens): all >= 2, so export keeps them symbolic
 
 
 def _samples(model: DeepseekV41ForCausalLM, stage: str) -> tuple[list[torch.Tensor], list[dict]]:
@@ -33,42 +33,30 @@ def _samples(model: DeepseekV41ForCausalLM, stage: str) -> tuple[list[torch.Tens
     be in range (entry and block numbers below the sample's entries): tracing records the operations."""
     c, lora = model.config, lora_modules(model)
     n, C, D, I = c.hc_mult, c.hidden_size, c.head_dim, c.index_head_dim
-    g = torch.Generator().manual_seed(0)
-    rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
-    tensors, dims = [], []
-    for name in io_names(c, lora, stage)[0]:
-        kind, _, suffix = name.partition(".")
-        if name == "input_ids":
-            t, d = torch.randint(0, c.vocab_size, (1, _T), generator=g), {1: "tokens"}
-        elif name == "start":
-            t, d = torch.tensor(7), {}
-        elif kind == "window":
-            t, d = rand(1, _PAST, D), {1: f"past_{suffix}"}
-        elif kind == "latent":
-            t, d = rand(1, _ENTRIES, D), {1: f"entries_{suffix or c.decoder_start}"}
-        elif kind == "index_keys":
-            t, d = rand(1, _ENTRIES, I), {1: f"entries_{suffix or c.decoder_start}"}
-        elif kind == "pending":
-            t, d = rand(1, _PENDING, C), {1: f"pending_{suffix}"}
-        elif name == "stream":
-            t, d = rand(1, _T, n, C), {1: "tokens"}
-        elif name == "pre":
-            t, d = torch.rand(1, _T, n, generator=g), {1: "tokens"}
-        elif name in ("selection_idx", "pool_idx"):
+
+    def own(name: str, kind: str, suffix: str, rand, g) -> tuple[torch.Tensor, dict]:
+        if kind == "window":
+            return rand(1, _PAST, D), {1: f"past_{suffix}"}
+        if kind == "latent":
+            return rand(1, _ENTRIES, D), {1: f"entries_{suffix or c.decoder_start}"}
+        if kind == "index_keys":
+            return rand(1, _ENTRIES, I), {1: f"entries_{suffix or c.decoder_start}"}
+        if kind == "pending":
+            return rand(1, _PENDING, C), {1: f"pending_{suffix}"}
+        if name == "stream":
+            return rand(1, SAMPLE_T, n, C), {1: "tokens"}
+        if name == "pre":
+            return torch.rand(1, SAMPLE_T, n, generator=g), {1: "tokens"}
+        if name in ("selection_idx", "pool_idx"):
             k = c.index_topk if name == "selection_idx" else c.candidate_topk_blocks
-            t, d = torch.randint(0, _ENTRIES if name == "selection_idx" else 1, (1, _T, k), generator=g), {1: "tokens"}
-        elif name in ("selection_valid", "pool_valid"):
+            below = _ENTRIES if name == "selection_idx" else 1
+            return torch.randint(0, below, (1, SAMPLE_T, k), generator=g), {1: "tokens"}
+        if name in ("selection_valid", "pool_valid"):
             k = c.index_topk if name == "selection_valid" else c.candidate_topk_blocks
-            t, d = torch.rand(1, _T, k, generator=g) > 0.5, {1: "tokens"}
-        elif name == "row_slots":
-            t, d = torch.tensor([1]), {}
-        elif kind in ("lora_a", "lora_b"):
-            t, d = lora_sample(model, kind, suffix, rand)
-        else:
-            raise AssertionError(f"no sample for input {name!r}")
-        tensors.append(t)
-        dims.append(d)
-    return tensors, dims
+            return torch.rand(1, SAMPLE_T, k, generator=g) > 0.5, {1: "tokens"}
+        raise AssertionError(f"no sample for input {name!r}")
+
+    return samples(model, io_names(c, lora, stage)[0], c.vocab_size, own)
 
 
 def export_stage(model: DeepseekV41ForCausalLM, stage: str, path: Path, opset: int = OPSET) -> None:

@@ -14,22 +14,7 @@ from python_backend.core.scheduler import CancelledTurn, Scheduler, Turn
 from python_backend.core.routing import RouteDecision
 from python_backend.core.store import ConversationStore
 
-
-class Sink:
-    def __init__(self, cancel_after: int | None = None):
-        self.tokens, self.done, self.error, self.cancel_after = [], False, None, cancel_after
-
-    def token(self, token, turn):
-        self.tokens.append(token)
-
-    def finished(self, turn):
-        self.done = True
-
-    def failed(self, error, turn):
-        self.error = error
-
-    def cancelled(self):
-        return self.cancel_after is not None and len(self.tokens) >= self.cancel_after
+from turn_sink import ListSink
 
 
 def make_engine(served_dir) -> CEDEngine:
@@ -74,7 +59,7 @@ def test_interleaved_turns_are_each_conversations_serial_run(parts, served_dir):
     for t in range(3):
         sinks = {}
         for cid, script in scripts.items():
-            sinks[cid] = Sink()
+            sinks[cid] = ListSink()
             scheduler.submit(turn(cid, script[t][0], script[t][1], sinks[cid], tokenizer, new=t == 0))
         scheduler.drain()
         for cid, sink in sinks.items():
@@ -90,17 +75,17 @@ def test_interleaved_turns_are_each_conversations_serial_run(parts, served_dir):
 def test_a_cancelled_row_stops_and_stores_nothing(parts):
     scheduler, store, tokenizer = parts
     for cid in ("keep", "cancel"):
-        scheduler.submit(turn(cid, "first", "chat", Sink(), tokenizer))
+        scheduler.submit(turn(cid, "first", "chat", ListSink(), tokenizer))
     scheduler.drain()
     size = store.journal_size("cancel")
-    keep, cancel = Sink(), Sink(cancel_after=2)
+    keep, cancel = ListSink(), ListSink(cancel_after=2)
     for cid, sink in (("keep", keep), ("cancel", cancel)):
         scheduler.submit(turn(cid, "second", "coding", sink, tokenizer, new=False, max_tokens=20))
     scheduler.drain()
     assert isinstance(cancel.error, CancelledTurn) and len(cancel.tokens) == 2
     assert store.journal_size("cancel") == size and not scheduler.residency.has("cancel")
     assert keep.done and len(keep.tokens) > 2
-    again = Sink()
+    again = ListSink()
     scheduler.submit(turn("cancel", "third", "chat", again, tokenizer, new=False))
     scheduler.drain()
     assert again.done
@@ -108,11 +93,11 @@ def test_a_cancelled_row_stops_and_stores_nothing(parts):
 
 def test_a_long_prompt_is_chunked_while_rows_decode(parts):
     scheduler, store, tokenizer = parts
-    short = Sink()
+    short = ListSink()
     scheduler.submit(turn("short", "hi", "chat", short, tokenizer, max_tokens=40))
     scheduler.iterate()  # prefilled and replayed: decoding from now on
     assert short.tokens
-    long = Sink()
+    long = ListSink()
     scheduler.submit(turn("long", "word " * 200, "coding", long, tokenizer, max_tokens=2))  # ~1000 byte tokens
     before = len(short.tokens)
     iterations = 0
@@ -127,12 +112,12 @@ def test_a_long_prompt_is_chunked_while_rows_decode(parts):
 
 def test_a_turn_that_fails_in_prefill_fails_alone(parts):
     scheduler, store, tokenizer = parts
-    good, bad = Sink(), Sink()
+    good, bad = ListSink(), ListSink()
     scheduler.submit(turn("good", "hello there", "chat", good, tokenizer, max_tokens=8))
     scheduler.iterate()  # decoding
     broken = turn("bad", "x", "chat", bad, tokenizer)
     broken.text_ids = [10 ** 6]  # no such token: refused by the engine's prefill
-    beside = Sink()  # arrives with it: the two would share a prefill call
+    beside = ListSink()  # arrives with it: the two would share a prefill call
     scheduler.submit(broken)
     scheduler.submit(turn("beside", "hi", "coding", beside, tokenizer, max_tokens=4))
     scheduler.drain()
@@ -153,7 +138,7 @@ def test_sampling_controls_shape_the_batched_turns_as_the_serial_engine(parts, s
                 "stopped": SamplingParams(stop_token_ids=(stop,)), "late": SamplingParams(min_tokens=10)}
     sinks = {}
     for cid, sampling in settings.items():
-        sinks[cid] = Sink()
+        sinks[cid] = ListSink()
         made = turn(cid, "tell me more", "chat", sinks[cid], tokenizer, max_tokens=10)
         made.sampling = sampling
         scheduler.submit(made)

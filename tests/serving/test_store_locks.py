@@ -23,6 +23,8 @@ from python_backend.core.settings import ServingSettings
 from python_backend.core.routing import RouteDecision
 from python_backend.core.store import ConversationBusy, ConversationStore, StoreInUse, hold_store
 
+from turn_sink import ListSink
+
 # Another process: holds the store (as `mol2 serve` does) and a turn of c1, then waits to be killed.
 HOLDER = """
 import sys, time
@@ -100,23 +102,6 @@ def test_limit_settings_come_from_parameters_then_the_environment(monkeypatch):
         Limits(max_prompt_tokens=0)
 
 
-class Sink:
-    def __init__(self):
-        self.error, self.done = None, False
-
-    def token(self, token, turn):
-        pass
-
-    def finished(self, turn):
-        self.done = True
-
-    def failed(self, error, turn):
-        self.error = error
-
-    def cancelled(self):
-        return False
-
-
 @pytest.mark.parametrize("rows", [BatchedEngine, RowEngine])
 def test_a_prompt_over_max_prompt_tokens_is_refused_by_both_engines_paths(served_dir, tmp_path, rows):
     engine = CEDEngine(CEDForCausalLM.from_pretrained(served_dir / "model"))
@@ -127,7 +112,7 @@ def test_a_prompt_over_max_prompt_tokens_is_refused_by_both_engines_paths(served
     decision = RouteDecision("base", 0)
     sinks = []
     for cid, text in (("long", long), ("short", short)):
-        sinks.append(Sink())
+        sinks.append(ListSink())
         scheduler.submit(Turn(cid, text, lambda pooled: decision, sinks[-1], max_tokens=2, explicit=True, new=True))
     scheduler.drain()
     prompt = len(tokenizer.user_turn(long, first=True))
@@ -136,7 +121,7 @@ def test_a_prompt_over_max_prompt_tokens_is_refused_by_both_engines_paths(served
                                           "per request (max_prompt_tokens)")
     assert sinks[1].done and sinks[1].error is None  # the short one is served
     assert not (tmp_path / "long.lock").exists() and not store.exists("long")  # refused: nothing held or kept
-    prefill = Sink()  # the split server's prefill: a turn that leaves once prefilled, refused the same way
+    prefill = ListSink()  # the split server's prefill: a turn that leaves once prefilled, refused the same way
     scheduler.submit(Turn("p", long, None, prefill, new=True, leaves_prefilled=True, returns_state=True))
     scheduler.drain()
     assert isinstance(prefill.error, LimitError) and "over this server's limit of 16 tokens" in str(prefill.error)

@@ -21,6 +21,8 @@ from ced.engine import ContextTooLongError, StateError
 from ced.row_engine import RowEngine
 from ced.state import DeltaError
 
+from turn_sink import ListSink
+
 SOURCES = [None, "all", "experts"]
 
 
@@ -384,25 +386,6 @@ def test_the_scheduler_serves_a_v41_conversation_as_the_serial_engine(tmp_path, 
         expected.append(list(serial.generate(state, adapter, logits, 6, stop_tokens=tokenizer.stop_ids)))
     assert served == expected and all(len(tokens) == 6 for tokens in served)
     assert_same_shared(store.load("c1"), state)
-
-
-class ListSink:
-    """A turn's tokens, kept in a list (the scheduler's TurnSink)."""
-
-    def __init__(self):
-        self.tokens, self.done, self.error = [], False, None
-
-    def token(self, token, turn):
-        self.tokens.append(token)
-
-    def finished(self, turn):
-        self.done = True
-
-    def failed(self, error, turn):
-        self.error = error
-
-    def cancelled(self):
-        return False
 
 
 def serve_script(engine, store, tokenizer, script, max_tokens: int = 6) -> list[list[int]]:

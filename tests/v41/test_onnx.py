@@ -10,6 +10,8 @@ One export (the tiny shape, vocab 320 for the scheduler's byte tokenizer) per se
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -23,12 +25,13 @@ from ced.engine_files import EngineFileError
 from ced.engines import make_engine
 from ced.row_engine import RowEngine
 
-from test_batched_step import state_tensors
+from test_batched_step import assert_close_states as close_states_within
 from test_engine import serve_script
 
 # Of the largest |logit| (or of the largest |value| of a state tensor). Both run float32; the graphs sum in
 # another order (the dense MoE adds every expert's output, ORT's matmuls and reductions): measured ~1e-6.
 RTOL = 1e-4
+assert_close_states = partial(close_states_within, rtol=RTOL)  # this file's tolerance
 ADAPTERS = {"all": lambda n: True, "experts": lambda n: ".experts." in n}
 
 
@@ -70,26 +73,6 @@ def close_logits(ours, reference):
     assert (ours - reference).abs().max().item() <= RTOL * scale
     k = 8
     assert torch.equal(ours.topk(k).indices, reference.topk(k).indices)
-
-
-def assert_close_states(ours, reference, bound: bool = True):
-    """Every tensor of the state close (choices equal); `bound`: the adapter-bound windows too."""
-    assert ours.shared.tokens == reference.shared.tokens
-    if bound:
-        assert (ours.bound.adapter, ours.bound.length) == (reference.bound.adapter, reference.bound.length)
-    keep = lambda parts: {k: v for k, v in parts.items() if bound or not k.startswith("bound.")}  # noqa: E731
-    mine, theirs = keep(state_tensors(ours)), keep(state_tensors(reference))
-    assert mine.keys() == theirs.keys()
-    for name, expected in theirs.items():
-        got = mine[name]
-        assert (got is None) == (expected is None), name
-        if expected is None:
-            continue
-        assert got.shape == expected.shape and got.dtype == expected.dtype, name
-        if expected.dtype.is_floating_point and expected.numel():
-            torch.testing.assert_close(got, expected, rtol=RTOL, atol=RTOL * expected.abs().max().item(), msg=name)
-        else:  # entry and block numbers, their validity: the same choices
-            assert torch.equal(got, expected), name
 
 
 def test_prefill_in_chunks_writes_the_same_shared_state(pair):
