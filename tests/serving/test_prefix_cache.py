@@ -15,7 +15,8 @@ from python_backend.core.scheduler import Scheduler, Turn
 from python_backend.core.routing import RouteDecision
 from python_backend.core.store import ConversationStore
 
-from test_scheduler import Sink, make_engine  # the scheduler tests' sink and engine
+from test_scheduler import make_engine  # the scheduler tests' engine
+from turn_sink import ListSink
 
 HISTORY = "The quick brown fox jumps over the lazy dog, and then it naps under the old oak tree. " * 8  # ~700 tokens
 
@@ -29,7 +30,7 @@ def scheduler_for(served_dir, tmp_path, cache_bytes=1 << 30):
 
 def stateless(scheduler, messages, adapter, max_tokens=8):
     """One stateless request, run to its end: (tokens, the finished turn)."""
-    sink = Sink()
+    sink = ListSink()
     prompt, route_start = scheduler.tokenizer.render(messages)
     decision = RouteDecision(adapter, 0)
     turn = Turn("", [], lambda pooled: decision, sink, max_tokens=max_tokens, explicit=True, prompt=prompt,
@@ -112,7 +113,7 @@ def test_eviction_keeps_the_cache_under_its_budget(served_dir, tmp_path):
 def test_a_stateful_conversation_and_a_stateless_request_find_each_others_states(scheduler):
     text = HISTORY + "Who naps?"
     _, warm = stateless(scheduler, chat(text), "chat")
-    sink, decision = Sink(), RouteDecision("coding", 0)
+    sink, decision = ListSink(), RouteDecision("coding", 0)
     stateful = Turn("c1", scheduler.tokenizer.encode(text), lambda pooled: decision, sink, max_tokens=4,
                     explicit=True, new=True)
     scheduler.submit(stateful)
@@ -145,11 +146,11 @@ def test_an_answer_goes_out_before_its_last_token_is_appended_and_a_resend_on_it
         return Turn("", [], lambda pooled: decision, sink, max_tokens=max_tokens, explicit=True, prompt=tokens,
                     route_start=route_start)
 
-    class SendsOnTheAnswer(Sink):
+    class SendsOnTheAnswer(ListSink):
         def finished(self, turn):
             super().finished(turn)
             self.row_still_decoding = turn in scheduler.decoding
-            self.next = request(prompt + self.tokens + scheduler.tokenizer.encode(" And then?"), Sink(), 2)
+            self.next = request(prompt + self.tokens + scheduler.tokenizer.encode(" And then?"), ListSink(), 2)
             scheduler.submit(self.next)
 
     answered = SendsOnTheAnswer()

@@ -23,7 +23,8 @@ from python_backend.core.store import ConversationReset, ConversationStore
 
 from test_engine_core import engine_core_pid
 from test_journal import assert_same_shared
-from test_scheduler import Sink, make_engine
+from test_scheduler import make_engine
+from turn_sink import ListSink
 from test_triton import generate
 
 TURNS = ["first turn", "second one", "third turn"]  # the twins below send texts of these lengths
@@ -40,8 +41,8 @@ class EngineProcess:
         self.scheduler = Scheduler(BatchedEngine(self.engine), self.store, self.tokenizer,
                                    lambda decision: decision.adapter, lambda: [], prefill_chunk=64, token_budget=80)
 
-    def turn(self, cid: str, text: str, new: bool = False) -> Sink:
-        sink, decision = Sink(), RouteDecision("chat", 0)
+    def turn(self, cid: str, text: str, new: bool = False) -> ListSink:
+        sink, decision = ListSink(), RouteDecision("chat", 0)
         self.scheduler.submit(Turn(cid, self.tokenizer.encode(text), lambda pooled: decision, sink, max_tokens=4,
                                    ignore_eos=True, explicit=True, new=new))
         self.scheduler.drain()

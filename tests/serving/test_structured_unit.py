@@ -21,7 +21,7 @@ from python_backend.core.scheduler import Scheduler, Turn
 from python_backend.core.store import ConversationStore
 from python_backend.core.structured import GrammarSpec, Grammars
 
-from test_scheduler import Sink
+from turn_sink import ListSink
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pet"],
           "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0,
@@ -132,13 +132,13 @@ def test_grammar_rows_follow_their_grammar_and_the_rows_beside_them_are_untouche
     prompts = [tokenizer.encode(f"row {n} says") for n in range(4)]
     alone = []
     for n in (1, 3):
-        sink = Sink()
+        sink = ListSink()
         scheduler.submit(stateless(prompts[n], "chat", sink))
         scheduler.drain()
         alone.append(sink.tokens)
     schema = SamplingParams(grammar=GrammarSpec("json_schema", json.dumps(PERSON)).to_json())
     choice = SamplingParams(grammar=GrammarSpec("choice", '["alpha", "beta"]').to_json())
-    sinks, turns = [Sink() for _ in range(4)], []
+    sinks, turns = [ListSink() for _ in range(4)], []
     for n, sampling in enumerate([schema, SamplingParams(), choice, SamplingParams()]):
         turns.append(stateless(prompts[n], "chat" if n % 2 else "coding", sinks[n], sampling))
         scheduler.submit(turns[-1])
@@ -154,7 +154,7 @@ def test_grammar_rows_follow_their_grammar_and_the_rows_beside_them_are_untouche
 
 def test_a_grammar_row_with_logprobs_reports_the_masked_distribution(scheduler):
     scheduler, tokenizer = scheduler
-    sink = Sink()
+    sink = ListSink()
     turn = stateless(tokenizer.encode("pick"), "chat", sink,
                      SamplingParams(temperature=1.0, seed=3, logprobs=4,
                                     grammar=GrammarSpec("choice", '["ab", "ba"]').to_json()))
