@@ -14,7 +14,9 @@ Each repeat times every engine in turn on the same work, so drift of the machine
 - decode:  `--decode` greedy steps after the replay (each step runs both stages for one token).
 
 The `floor` row is the time one thread takes to read the bytes a decode step must read (every weight once, the
-tied embedding as the head; of a MoE's routed experts only the share a token uses, top-k of n) from memory, timed in the same repeats; `vs_floor` is each decode row's ms over it.
+tied embedding as the head; of a MoE's routed experts only the share a token uses, top-k of n; 2 bytes a weight
+where the checkpoint's values are bfloat16s, as the kernels read them) from memory, timed in the same repeats;
+`vs_floor` is each decode row's ms over it.
 
     python -m benchmarks.engine_speed [--quick] [--json PATH] [--plot PATH] [--trt-dir DIR]
 """
@@ -112,10 +114,12 @@ class Floor:
 
 
 def weight_bytes(model) -> int:
-    """Bytes of the weights one decode step of one row reads: every weight once (a tied weight counted once);
-    a deepseek_v41 model's embedding is read a row at a time (its head is separate) and of its routed experts only
+    """Bytes of the weights one decode step of one row reads: every weight once (a tied weight counted once), at 2
+    bytes where its values are bfloat16s (a bfloat16 checkpoint's: the kernels read them so, ced/kernels); a
+    deepseek_v41 model's embedding is read a row at a time (its head is separate) and of its routed experts only
     the top-k of n a token is sent to."""
-    nbytes = lambda params: sum(p.numel() * p.element_size() for p in params)  # noqa: E731
+    nbytes = lambda params: sum(p.numel() * (2 if kernels.bf16_exact(p) else p.element_size())  # noqa: E731
+                                for p in params)
     config = model.config
     if getattr(config, "n_routed_experts", 0):
         routed = [p for name, p in model.named_parameters() if ".ffn.experts." in name]

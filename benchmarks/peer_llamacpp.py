@@ -3,7 +3,8 @@ exact shape, random seeded weights, the demo tokenizer) and its 4 PEFT LoRA adap
 
 llama.cpp lives in a folder of its own, .peers/llamacpp (`bash scripts/install_llamacpp.sh`: llama-server and
 llama-bench built from the tree the llama-cpp-python sdist vendors, and a venv for its converters).
-`convert_peer` writes artifacts/peer/gguf/ (cached): the model at f32, as our engine runs the demo, and each adapter
+`convert_peer` writes artifacts/peer/gguf/ (cached): the model at bf16, its checkpoint's dtype, as our engine reads
+the demo's bfloat16 weights (2 bytes a weight: ced/kernels), and each adapter at f32, as our engine holds LoRA
 (convert_lora_to_gguf.py). The demo tokenizer is a byte-level BPE whose pre-tokenizer is GPT-2's regex, which the
 converter cannot recognise by its hash (it knows released models only), so the conversion names it `gpt-2`
 (PRE_TOKENIZER); `tokenizer_mismatch` checks against the demo tokenizer that llama-server then makes the same ids.
@@ -38,6 +39,8 @@ THREADS = 2
 SLOTS = 16
 CONTEXT = 32768
 PRE_TOKENIZER = "gpt-2"
+MODEL_OUTTYPE, ADAPTER_OUTTYPE = "bf16", "f32"
+MODEL_FILE = f"model-{MODEL_OUTTYPE}.gguf"
 LORA_IDS = {name: index for index, name in enumerate(ADAPTERS)}  # ours -> llama-server's adapter id (--lora order)
 
 # Runs in the converters' venv: the vendored gguf-py first (the converters import it; it matches the tree), the
@@ -73,33 +76,37 @@ def _run(what: str, command: list[str], log: Path) -> None:
 
 
 def convert_peer(root: Path = PEER_ROOT, force: bool = False) -> Path:
-    """root/gguf/: model-f32.gguf and adapters a0..a3 (`<name>-f32.gguf`), converted from the peer (built first
+    """root/gguf/: MODEL_FILE and adapters a0..a3 (`<name>-f32.gguf`), converted from the peer (built first
     where missing); returns that folder. Skips the work when `converted.json` (written last) names the same peer
     and llama.cpp."""
     root = build_peer(root)
     out = root / "gguf"
     marker = out / "converted.json"
     stamp = {"peer": json.loads((root / "built.json").read_text()), "llamacpp": installed_version(),
-             "pre_tokenizer": PRE_TOKENIZER, "outtype": "f32"}
+             "pre_tokenizer": PRE_TOKENIZER, "outtype": [MODEL_OUTTYPE, ADAPTER_OUTTYPE]}
     if marker.is_file() and not force and json.loads(marker.read_text()) == stamp:
         return out
     out.mkdir(parents=True, exist_ok=True)
     log = ROOT / "artifacts" / "logs" / "llamacpp_convert.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     _run("convert_hf_to_gguf.py", [str(CONVERT_PYTHON), "-c", _CONVERT_MODEL, str(SOURCE), PRE_TOKENIZER,
-                                   str(root / "model"), "--outtype", "f32", "--outfile", str(out / "model-f32.gguf")],
+                                   str(root / "model"), "--outtype", MODEL_OUTTYPE, "--outfile", str(out / MODEL_FILE)],
          log)
     for name in LORA_NAMES.values():
         _run(f"convert_lora_to_gguf.py ({name})",
              [str(CONVERT_PYTHON), str(SOURCE / "convert_lora_to_gguf.py"), str(root / "adapters" / name), "--base",
-              str(root / "model"), "--outtype", "f32", "--outfile", str(out / f"{name}-f32.gguf")], log)
+              str(root / "model"), "--outtype", ADAPTER_OUTTYPE, "--outfile", str(adapter_file(out, name))], log)
     marker.write_text(json.dumps(stamp, indent=2))
     return out
 
 
 def adapter_files(gguf: Path) -> list[Path]:
     """The adapters' GGUF files in llama-server's id order."""
-    return [Path(gguf) / f"{name}-f32.gguf" for name in LORA_NAMES.values()]
+    return [adapter_file(gguf, name) for name in LORA_NAMES.values()]
+
+
+def adapter_file(gguf: Path, name: str) -> Path:
+    return Path(gguf) / f"{name}-{ADAPTER_OUTTYPE}.gguf"
 
 
 def server_command(gguf: Path, port: int) -> list[str]:
@@ -107,7 +114,7 @@ def server_command(gguf: Path, port: int) -> list[str]:
     # Every adapter at scale 0 unless a request's `lora` names it: --lora-scaled FILE:0,... (one flag, the files
     # comma-separated: given several times llama-server keeps only the last; and --lora-init-without-apply does
     # not do it, a request without `lora` still gets the loaded scales, 1 by default)
-    return [str(SERVER), "-m", str(gguf / "model-f32.gguf"),
+    return [str(SERVER), "-m", str(gguf / MODEL_FILE),
             "--lora-scaled", ",".join(f"{path}:0" for path in adapter_files(gguf)),
             "-t", str(THREADS), "-tb", str(THREADS), "-np", str(SLOTS), "-c", str(CONTEXT), "--kv-unified",
             "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
@@ -220,7 +227,7 @@ def start_client(stack: contextlib.ExitStack, log: Path, tokenizer, port: int, r
 
 def llama_bench(gguf: Path, threads: int = THREADS, generate: int = 128, prompt: int = 512) -> list[dict]:
     """llama-bench on the peer's GGUF (no adapter): pp`prompt` and tg`generate` tokens/s, its JSON rows."""
-    done = subprocess.run([str(BENCH), "-m", str(Path(gguf) / "model-f32.gguf"), "-t", str(threads),
+    done = subprocess.run([str(BENCH), "-m", str(Path(gguf) / MODEL_FILE), "-t", str(threads),
                            "-p", str(prompt), "-n", str(generate), "-o", "json"],
                           check=False, capture_output=True, text=True, cwd=ROOT, timeout=600)
     if done.returncode != 0:

@@ -565,7 +565,7 @@ def plot(rows: list[dict], path: str) -> None:
     engines = sorted({r["engine"] for r in rows}, key=list(colours).index)
     names = {"mol2": "mol2 (tritonserver, demo)", "mol2_pair": "mol2_pair (disaggregated)",
              "mol2_onnxruntime": "mol2_onnxruntime (exported graphs, a row per call)",
-             "vllm": "vLLM CPU (same size Llama)", "llamacpp": "llama.cpp (same Llama, GGUF f32)"}
+             "vllm": "vLLM CPU (same size Llama)", "llamacpp": "llama.cpp (same Llama, GGUF bf16)"}
     figure.suptitle(f"serving: {' vs '.join(names[e] for e in engines)}, {MAX_TOKENS} tokens a turn")
     save_figure(figure, path)
 

@@ -58,9 +58,11 @@ def transposed(weight: Tensor) -> Tensor:
 
 
 def panels_of(weight_t: Tensor) -> Tensor | None:
-    """The weight (in, out) in the native kernel's panels (ced/kernels), where the kernel takes it: float32 in the
-    CPU's memory (not a model built on the meta device to list its modules)."""
-    return kernels.pack(weight_t) if weight_t.device.type == "cpu" and kernels.available(weight_t.dtype) else None
+    """The weight (in, out) in the native kernel's panels (ced/kernels; bfloat16 where its values are), where the
+    kernel takes it: float32 in the CPU's memory (not a model built on the meta device to list its modules)."""
+    if weight_t.device.type != "cpu" or not kernels.available(weight_t.dtype):
+        return None
+    return kernels.pack_weight(weight_t)
 
 
 class PackedLinear(nn.Module):

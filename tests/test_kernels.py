@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ced import kernels
+from ced.lora import panels_of
 
 pytestmark = pytest.mark.skipif(not kernels.available(torch.float32), reason="no C++ compiler: the kernels are off")
 
@@ -37,6 +38,29 @@ def test_matmul_matches_torch_and_a_row_has_the_same_bits_in_any_batch(shape):
     torch.testing.assert_close(batch, x @ weight_t, rtol=1e-5, atol=1e-4)
     for row in range(13):
         assert torch.equal(kernels.matmul(x[row:row + 1], spec), batch[row:row + 1])
+
+
+@pytest.mark.parametrize("shape", [(256, 768), (96, 100), (40, 4)])  # 64-wide, 16-wide and tail panels
+@torch.inference_mode()
+def test_bfloat16_weights_pack_at_half_the_bytes_and_give_the_float32_panels_bits(shape):
+    """A bfloat16 checkpoint's weights (float32 after the upcast) are read at half the bytes, widened exactly: the
+    products have the float32 panels' bits, with and without each row's LoRA; a weight that is not all bfloat16s
+    keeps float32 panels."""
+    weight_t = torch.randn(*shape).to(torch.bfloat16).float()
+    half, wide = kernels.pack_weight(weight_t), kernels.pack(weight_t)
+    assert half.dtype == torch.bfloat16 and half.nbytes * 2 == wide.nbytes
+    assert kernels.pack_weight(weight_t + 1e-3).dtype == torch.float32
+    assert panels_of(weight_t).dtype == torch.bfloat16  # what the engines' linears pack (ced/lora.py)
+    S, r = 2, 4
+    a, b = torch.randn(S, r, shape[0]), torch.randn(S, shape[1], r)
+    a_panels = torch.stack([kernels.pack(slot.t()) for slot in a])
+    b_panels = torch.stack([kernels.pack(slot.t()) for slot in b])
+    x, slots = torch.randn(9, 1, shape[0]), torch.tensor([0, -1, 1, 1, -1, 0, 0, 1, -1])
+    for lora, row_slots in ((None, None), ((a_panels, b_panels, r), slots)):
+        got = kernels.matmul(x, kernels.LinearSpec.of(half, *shape, lora), row_slots)
+        assert torch.equal(got, kernels.matmul(x, kernels.LinearSpec.of(wide, *shape, lora), row_slots))
+    torch.testing.assert_close(kernels.matmul(x, kernels.LinearSpec.of(half, *shape)), x @ weight_t, rtol=1e-5,
+                               atol=1e-4)
 
 
 @torch.inference_mode()

@@ -76,7 +76,8 @@ class V41Plan:
         weight = module.weight.detach()
         out = weight.shape[0] // groups
         if id(module) not in self._panels:
-            self._panels[id(module)] = [kernels.pack(weight[g * out: (g + 1) * out].t()) for g in range(groups)]
+            self._panels[id(module)] = [kernels.pack_weight(weight[g * out: (g + 1) * out].t())
+                                      for g in range(groups)]
         panels = self._panels[id(module)]
         adapters = getattr(module, "adapters", {})
         lora = [adapters.get(name) for name in names]

@@ -12,7 +12,9 @@ v41.cpp's `v41_decode_step` (ced/deepseek_v41/native.py), on the same products.
 
 The library is compiled on first use with the host's C++ compiler for the host's CPU and cached under
 artifacts/native/ by a hash of the source, the flags and the CPU; `MOL2_NATIVE=0` turns it off, and without a
-compiler the engine says so once and keeps torch's matmul. Only float32 weights take this path.
+compiler the engine says so once and keeps torch's matmul. Only float32 models take this path; a weight whose values
+are all bfloat16s (a bfloat16 checkpoint's, upcast) is packed at 2 bytes and widened exactly as it is read, so a
+step of few rows, which waits on reading the weights, reads half the bytes for the same bits (`pack_weight`).
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ class LinearSpec(ctypes.Structure):
     """decode.cpp's `Linear`: a packed weight and, where the linear has LoRA slots, the slots' packed A and B."""
 
     _fields_ = [("panels", _ptr), ("in_features", _c_long), ("out_features", _c_long), ("a", _ptr),
-                ("a_stride", _c_long), ("b", _ptr), ("b_stride", _c_long), ("rank", _c_long), ("used", _ptr)]
+                ("a_stride", _c_long), ("b", _ptr), ("b_stride", _c_long), ("rank", _c_long), ("used", _ptr),
+                ("bf16", _c_long)]
 
     @classmethod
     def of(cls, panels: Tensor, in_features: int, out_features: int,
@@ -79,7 +82,8 @@ class LinearSpec(ctypes.Structure):
         a, b, rank = lora or (None, None, 0)
         return cls(panels.data_ptr(), in_features, out_features, a.data_ptr() if a is not None else None,
                    a.shape[1] if a is not None else 0, b.data_ptr() if b is not None else None,
-                   b.shape[1] if b is not None else 0, rank, used.data_ptr() if used is not None else None)
+                   b.shape[1] if b is not None else 0, rank, used.data_ptr() if used is not None else None,
+                   panels.dtype == torch.bfloat16)
 
 
 class DecodeRows(ctypes.Structure):
@@ -167,6 +171,7 @@ def _load() -> ctypes.CDLL | None:
     spec, rows = ctypes.POINTER(LinearSpec), ctypes.POINTER(DecodeRows)
     signatures = {
         "pack_weight": (None, [_ptr, _c_long, _c_long, _ptr]),
+        "pack_weight_bf16": (None, [_ptr, _c_long, _c_long, _ptr]),
         "set_threads": (None, [_c_int]),
         "linear": (_c_int, [spec, _ptr, _c_long, _c_int, _ptr, _ptr, _c_long]),
         "rms_norm": (None, [_ptr, _c_int, _c_long, _ptr, ctypes.c_float, _ptr]),
@@ -206,6 +211,26 @@ def pack(weight_t: Tensor) -> Tensor:
     weight_t = weight_t.detach().to(torch.float32).contiguous()
     packed = torch.empty(weight_t.numel(), dtype=torch.float32)
     library().pack_weight(weight_t.data_ptr(), weight_t.shape[0], weight_t.shape[1], packed.data_ptr())
+    return packed
+
+
+def bf16_exact(weight: Tensor) -> bool:
+    """Whether every value of `weight` is a bfloat16 (as a bfloat16 checkpoint's weights are after the float32
+    upcast, or FP8 / FP4 ones times a power-of-two scale): then half the bytes hold it exactly."""
+    weight = weight.detach()
+    return bool(torch.equal(weight.to(torch.bfloat16).to(weight.dtype), weight))
+
+
+def pack_weight(weight_t: Tensor) -> Tensor:
+    """A model's weight (in, out) into the kernel's panels, at half the bytes where its values are bfloat16s (a
+    decode step of few rows waits on reading its weights; the products widen them exactly, so their bits do not
+    change): a flat bfloat16 or float32 tensor of in * out. LoRA slots, written in place as adapters change,
+    keep `pack`'s float32."""
+    if not bf16_exact(weight_t):
+        return pack(weight_t)
+    weight_t = weight_t.detach().to(torch.float32).contiguous()
+    packed = torch.empty(weight_t.numel(), dtype=torch.bfloat16)
+    library().pack_weight_bf16(weight_t.data_ptr(), weight_t.shape[0], weight_t.shape[1], packed.data_ptr())
     return packed
 
 

@@ -31,16 +31,50 @@ using kernels::load;
 using kernels::store;
 using kernels::v16;
 
+// A panel's weights at input i: 16 * NV columns as NV vectors. From float32 as they lie; from bfloat16 (a
+// checkpoint's bfloat16 weights, packed at half the bytes: a decode step of few rows waits on reading them) widened
+// exactly, so the products' bits are the same. A 64-wide panel's bfloat16s lie in pairs (pack_weight_bf16): each
+// 32-bit word holds column c in its low half and column c + 16 in its high half, so one load gives two vectors, by
+// a shift and a mask (one instruction each per 16 weights, where widening 16 bfloat16s takes two).
+typedef unsigned u32x16 __attribute__((vector_size(64), aligned(2)));
+
+template <int NV>
+inline void load_weights(const float* w, v16* wv) {
+  for (int v = 0; v < NV; ++v) wv[v] = load(w + 16 * v);
+}
+
+template <int NV>
+inline void load_weights(const kernels::bf16* w, v16* wv) {
+  if constexpr (NV % 2 == 0) {
+    for (int v = 0; v < NV; v += 2) {
+      const u32x16 pair = *(const u32x16*)(w + 16 * v);
+      wv[v] = (v16)(pair << 16);
+      wv[v + 1] = (v16)(pair & 0xffff0000u);
+    }
+  } else {
+    typedef kernels::bf16 u16x16 __attribute__((vector_size(32), aligned(2)));
+    for (int v = 0; v < NV; ++v) wv[v] = (v16)(__builtin_convertvector(*(const u16x16*)(w + 16 * v), u32x16) << 16);
+  }
+}
+
+inline float weight(float w) { return w; }
+inline float weight(kernels::bf16 w) {
+  const unsigned bits = static_cast<unsigned>(w) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
 // Rows [0, MR) of x against one panel of 16*NV columns starting at column o0.
-template <int MR, int NV>
-void tile(const float* x, long ldx, const float* panel, long in, long o0, float* y, long ldy, bool accumulate) {
+template <int MR, int NV, class W>
+void tile(const float* x, long ldx, const W* panel, long in, long o0, float* y, long ldy, bool accumulate) {
   v16 acc[MR][NV];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = accumulate ? load(y + m * ldy + o0 + 16 * v) : (v16){};
-  const float* w = panel;
+  const W* w = panel;
   for (long i = 0; i < in; ++i, w += 16 * NV) {
     v16 wv[NV];
-    for (int v = 0; v < NV; ++v) wv[v] = load(w + 16 * v);
+    load_weights<NV>(w, wv);
     for (int m = 0; m < MR; ++m) {
       v16 xm = (v16){} + x[m * ldx + i];
       for (int v = 0; v < NV; ++v) acc[m][v] += xm * wv[v];
@@ -51,8 +85,8 @@ void tile(const float* x, long ldx, const float* panel, long in, long o0, float*
 }
 
 // Every row against one panel, four rows at a time (16 accumulators of the 32 vector registers).
-template <int NV>
-void panel_rows(const float* x, long ldx, int M, const float* panel, long in, long o0, float* y, long ldy,
+template <int NV, class W>
+void panel_rows(const float* x, long ldx, int M, const W* panel, long in, long o0, float* y, long ldy,
                 bool accumulate) {
   int m = 0;
   for (; m + 4 <= M; m += 4) tile<4, NV>(x + m * ldx, ldx, panel, in, o0, y + m * ldy, ldy, accumulate);
@@ -66,17 +100,18 @@ void panel_rows(const float* x, long ldx, int M, const float* panel, long in, lo
 long panel_width(long left) { return left >= 64 ? 64 : left >= 16 ? 16 : left; }
 
 // Columns [o_begin, o_end) of y (+)= x @ W, o_begin a multiple of 64 (the 64-wide panels come first).
-void gemm_columns(const float* x, long ldx, int M, const float* packed, long in, long out, float* y, long ldy,
+template <class W>
+void gemm_columns(const float* x, long ldx, int M, const W* packed, long in, long out, float* y, long ldy,
                   bool accumulate, long o_begin, long o_end) {
   long o = o_begin;
-  const float* panel = packed + o_begin * in;
+  const W* panel = packed + o_begin * in;
   for (; o + 64 <= o_end; o += 64, panel += 64 * in) panel_rows<4>(x, ldx, M, panel, in, o, y, ldy, accumulate);
   for (; o + 16 <= o_end; o += 16, panel += 16 * in) panel_rows<1>(x, ldx, M, panel, in, o, y, ldy, accumulate);
   const long width = o_end - o;
   for (int m = 0; m < M; ++m)
     for (long j = 0; j < width; ++j) {
       float sum = accumulate ? y[m * ldy + o + j] : 0.0f;
-      for (long i = 0; i < in; ++i) sum += x[m * ldx + i] * panel[i * width + j];
+      for (long i = 0; i < in; ++i) sum = std::fma(x[m * ldx + i], weight(panel[i * width + j]), sum);
       y[m * ldy + o + j] = sum;
     }
 }
@@ -159,7 +194,8 @@ void parallel(long n, bool worth_it, F&& f) {
 
 // A product's columns in parts of whole 64-wide panels, about CHUNK_FLOATS weights each (the last part also takes
 // the narrower panels at the end).
-void gemm_split(const float* x, long ldx, int M, const float* packed, long in, long out, float* y, long ldy,
+template <class W>
+void gemm_split(const float* x, long ldx, int M, const W* packed, long in, long out, float* y, long ldy,
                 bool accumulate) {
   const long width = std::max(64L, (CHUNK_FLOATS / std::max(in, 1L) + 63) / 64 * 64);
   const long parts = std::max(1L, out / width);
@@ -185,6 +221,21 @@ void pack_weight(const float* w, long in, long out, float* packed) {
   }
 }
 
+// The same panels in bfloat16: each weight's upper 16 bits (the caller checked that the lower ones are zero); in a
+// 64-wide panel, columns c and c + 16 of each 32 side by side (load_weights reads them so).
+void pack_weight_bf16(const float* w, long in, long out, kernels::bf16* packed) {
+  for (long o = 0, width; o < out; o += width) {
+    width = panel_width(out - o);
+    for (long i = 0; i < in; ++i, packed += width)
+      for (long j = 0; j < width; ++j) {
+        const long column = width == 64 ? (j & ~31L) + (j & 1) * 16 + (j & 31) / 2 : j;
+        unsigned bits;
+        std::memcpy(&bits, w + i * out + o + column, sizeof bits);
+        packed[j] = static_cast<kernels::bf16>(bits >> 16);
+      }
+  }
+}
+
 // How many threads the larger products use: 1 or 2 (the engine asks for what other processes leave free).
 void set_threads(int n) { threads.store(n < 2 ? 1 : 2); }
 
@@ -194,8 +245,6 @@ void gemm_rows(const float* x, long ldx, int M, const float* packed, long in, lo
   gemm_split(x, ldx, M, packed, in, out, y, ldy, accumulate);
 }
 
-// A linear of the model (kernels.h): its packed weight and, where it has LoRA slots, the slots' packed A (in, rank)
-// and B (rank, out), a_stride / b_stride floats apart (a == nullptr: none).
 enum { MAX_RANK = 1024 };
 
 // y[m] = x[m] @ W, plus each row's own LoRA where `slots` is given: (x[m] @ A[s]) @ B[s], s = slots[m] (a row of
@@ -203,7 +252,10 @@ enum { MAX_RANK = 1024 };
 // together, so each slot's A and B are read once; a row's bits are those it has alone.
 int linear(const Linear* L, const float* x, long ldx, int M, const long* slots, float* y, long ldy) {
   if (L->rank > MAX_RANK) return -1;
-  gemm_rows(x, ldx, M, L->panels, L->in, L->out, y, ldy, 0);
+  if (L->bf16)
+    gemm_split(x, ldx, M, static_cast<const kernels::bf16*>(L->panels), L->in, L->out, y, ldy, false);
+  else
+    gemm_split(x, ldx, M, static_cast<const float*>(L->panels), L->in, L->out, y, ldy, false);
   if (!slots || !L->a) return 0;
   const long in = L->in, out = L->out, rank = L->rank;
   std::vector<char> done(M, 0);

@@ -2,8 +2,11 @@
 // norm and the second thread. Both files are compiled into one library (ced/kernels/__init__.py).
 #pragma once
 
-struct Linear {  // a packed weight and, where it has LoRA slots, their packed A and B. Mirrored by LinearSpec.
-  const float* panels;
+// A linear of the model: its packed weight (float32, or bfloat16 where `bf16`) and, where it has LoRA slots, the
+// slots' packed A (in, rank) and B (rank, out), a_stride / b_stride floats apart (a == nullptr: none). Mirrored by
+// LinearSpec.
+struct Linear {
+  const void* panels;
   long in, out;
   const float* a;
   long a_stride;
@@ -11,6 +14,7 @@ struct Linear {  // a packed weight and, where it has LoRA slots, their packed A
   long b_stride;
   long rank;
   const char* used;  // per slot: whether that slot's adapter adapts this linear (null: every slot does)
+  long bf16;         // nonzero: `panels` holds bfloat16 weights
 };
 
 extern "C" {
@@ -20,6 +24,7 @@ void rms_norm(const float* x, int M, long C, const float* w, float eps, float* y
 
 namespace kernels {
 
+typedef unsigned short bf16;  // a bfloat16's bits
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned access to 16 floats
 
