@@ -114,12 +114,12 @@ class Floor:
 
 
 def weight_bytes(model) -> int:
-    """Bytes of the weights one decode step of one row reads: every weight once (a tied weight counted once), at 2
-    bytes where its values are bfloat16s (a bfloat16 checkpoint's: the kernels read them so, ced/kernels); a
-    deepseek_v41 model's embedding is read a row at a time (its head is separate) and of its routed experts only
-    the top-k of n a token is sent to."""
-    nbytes = lambda params: sum(p.numel() * (2 if kernels.bf16_exact(p) else p.element_size())  # noqa: E731
-                                for p in params)
+    """Bytes of the weights one decode step of one row reads: every weight once (a tied weight counted once), a
+    matrix at 2 bytes a value where its values are bfloat16s (a bfloat16 checkpoint's: the kernels pack it so,
+    ced/kernels; vectors such as norms stay float32); a deepseek_v41 model's embedding is read a row at a time (its
+    head is separate) and of its routed experts only the top-k of n a token is sent to."""
+    width = lambda p: 2 if p.dim() == 2 and kernels.bf16_exact(p) else p.element_size()  # noqa: E731
+    nbytes = lambda params: sum(p.numel() * width(p) for p in params)  # noqa: E731
     config = model.config
     if getattr(config, "n_routed_experts", 0):
         routed = [p for name, p in model.named_parameters() if ".ffn.experts." in name]
