@@ -31,6 +31,8 @@ from .state import V41ConversationState
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 _CHOICES = ("selection.idx", "selection.valid", "pool.idx", "pool.valid")
+_KEPT_NAMES = {name.replace(".", "_"): name for name in ("stream", "pre", *_CHOICES)}  # V41Rows field -> tail name
+_KEPT_FIELDS = tuple(_KEPT_NAMES)
 
 
 class V41Plan:
@@ -170,21 +172,31 @@ class V41Plan:
             return None
         order = tuple(self.adapter_set.names)
         slots = [-1 if name is None else order.index(name) for name in adapters]
-        places = RowPlaces(B, self.config.num_hidden_layers)
-        kept = [self._place(places, b, state) for b, state in enumerate(states)]  # each row's replay tails written
-        if None in kept:
+        rows = [self._row_tails(state) for state in states]
+        if not all(row.steppable() for row in rows):
             return None
+        places = RowPlaces(B, self.config.num_hidden_layers)
+        for b, row in enumerate(rows):
+            row.place(places, b, self.like)  # each row's places, room reserved in each tail the kernel writes
         places.arrays["positions"], places.arrays["lora_slots"] = [state.length for state in states], slots
-        rows = places.rows(B)
+        c_rows = places.rows(B)
         if all(slot < 0 for slot in slots):
-            rows.lora_slots = None  # no row has an adapter: no LoRA anywhere
+            c_rows.lora_slots = None  # no row has an adapter: no LoRA anywhere
         ids = (ctypes.c_long * B)(*tokens)
         logits = torch.empty(B, self.config.vocab_size)
-        kernels.check(kernels.library().v41_decode_step(ctypes.byref(rows), ctypes.byref(struct), ids,
+        kernels.check(kernels.library().v41_decode_step(ctypes.byref(c_rows), ctypes.byref(struct), ids,
                                                         logits.data_ptr()))
-        for state, token, names in zip(states, tokens, kept):
-            self._advance(state, token, names)
+        for state, token, row in zip(states, tokens, rows):
+            row.advance()  # the places the kernel wrote now belong to the row's tails
+            state.shared.tokens.append(token)
         return logits
+
+    def _row_tails(self, state: V41ConversationState) -> "RowTails":
+        """The state's RowTails, kept on the state until its adapter-bound windows change (a replay)."""
+        row = state.__dict__.get("_row_tails")
+        if row is None or row.bound is not state.bound or row.shared is not state.shared:
+            row = state.__dict__["_row_tails"] = RowTails(self, state)
+        return row
 
     def prefill(self, state: V41ConversationState, tokens: list[int]) -> Tensor | None:
         """H19 (T, C) of `tokens` appended to `state` through the adapter-free sites (layers 0..E-1 and layer E's
@@ -302,51 +314,65 @@ class V41Plan:
             window.tail.advance(n)
         return logits[0], windows
 
-    def _place(self, places: "RowPlaces", b: int, state: V41ConversationState) -> list[str] | None:
-        """Row b's places in `places` (room reserved in each tail the kernel writes); returns the names of the
-        replay tails it writes, or None where its state is not one the kernel can step."""
-        config, like, E, S, L = self.config, self.like, self.config.decoder_start, kernels.MAX_STORES, places.L
-        shared, position, arrays = state.shared, state.length, places.arrays
-        for layer in range(L):
-            window = (shared.windows if layer <= E else state.bound.windows)[layer]
-            arrays["windows"][b * L + layer] = window.tail.place(like["latent"])
-            arrays["window_n"][b * L + layer] = len(window)
-        for layer, s in self.stores.items():
-            store, i = shared.stores[layer], b * S + s
-            if store.ratio > 1 and len(store.inputs) != position % store.ratio:
-                return None  # a pending group out of step with the position: let torch's path say so
-            arrays["latents"][i], arrays["keys"][i] = store.latents.place(like["latent"]), store.keys.place(like["key"])
-            arrays["n_entries"][i] = store.n_entries
-            arrays["pending"][i] = store.inputs.place(like["input"]) if store.ratio > 1 else 0
-        kept = ["stream", "pre"]
-        source = config.roles[E].kv_source  # a row keeps layer E's choices once this store has an entry
-        if source is not None and (position + 1) // config.compress_ratios[source] > 0:
-            kept += ["selection.idx", "selection.valid"]
-            if config.candidate_topk_blocks:
-                kept += ["pool.idx", "pool.valid"]
-        for name in kept:  # where this position's row of each replay tail goes
-            arrays[name.replace(".", "_")][b] = shared.tails[name].place(like[name], at_end=True)
-        return kept
-
-    def _advance(self, state: V41ConversationState, token: int, kept: list[str]) -> None:
-        """The places the kernel wrote now belong to the row's tails; the token joins the conversation."""
-        shared, position, E = state.shared, state.length, self.config.decoder_start
-        for layer in range(self.config.num_hidden_layers):
-            (shared.windows if layer <= E else state.bound.windows)[layer].tail.advance(1)
-        for store in shared.stores.values():
-            if (position + 1) % store.ratio == 0:
-                store.latents.advance(1)
-                store.keys.advance(1)
-                store.pending = self.no_inputs  # the group is done: none pending
-            else:
-                store.inputs.advance(1)
-        for name in kept:
-            shared.tails[name].advance(1)
-        shared.tokens.append(token)
-
 
 def _address(tensor: Tensor | None) -> int:
     return 0 if tensor is None else tensor.data_ptr()
+
+
+class RowTails:
+    """One conversation's tails in the order a step's places go: its window of each layer (layers 0..E shared, the
+    rest its adapter-bound ones), each store's latents, keys and pending inputs, and the replay tails. Built once
+    per state and adapter-bound windows, so a step touches them without looking each up."""
+
+    def __init__(self, plan: V41Plan, state: V41ConversationState):
+        config, shared = plan.config, state.shared
+        E, L = config.decoder_start, config.num_hidden_layers
+        self.shared, self.bound, self.L = shared, state.bound, L
+        self.windows = [(shared.windows if layer <= E else state.bound.windows)[layer].tail for layer in range(L)]
+        self.stores = [(s, shared.stores[layer]) for layer, s in plan.stores.items()]  # (its slot, the store)
+        source = config.roles[E].kv_source  # a row keeps layer E's choices once this store has an entry
+        self.choices_from = 0 if source is None else config.compress_ratios[source] - 1  # the first such position
+        self.kept = [shared.tails[name] for name in ("stream", "pre")]
+        self.choices = [] if source is None else [
+            shared.tails[name] for name in _CHOICES[: 4 if config.candidate_topk_blocks else 2]]
+        self._written: list = []
+
+    def steppable(self) -> bool:
+        """Whether each store's pending group is in step with the position (else torch's path says what is wrong)."""
+        position = len(self.shared.tokens)
+        return all(store.ratio == 1 or len(store.inputs) == position % store.ratio for _, store in self.stores)
+
+    def place(self, places: "RowPlaces", b: int, like: dict[str, Tensor]) -> None:
+        """Row b's places in `places`, with room for this position reserved in every tail the kernel writes."""
+        arrays, L, S, position = places.arrays, self.L, kernels.MAX_STORES, len(self.shared.tokens)
+        latent = like["latent"]
+        arrays["windows"][b * L: (b + 1) * L] = [tail.place(latent) for tail in self.windows]
+        arrays["window_n"][b * L: (b + 1) * L] = [len(tail) for tail in self.windows]
+        for s, store in self.stores:
+            i = b * S + s
+            arrays["latents"][i], arrays["keys"][i] = store.latents.place(latent), store.keys.place(like["key"])
+            arrays["n_entries"][i] = len(store.latents)
+            arrays["pending"][i] = store.inputs.place(like["input"]) if store.ratio > 1 else 0
+        kept = self.kept + self.choices if position >= self.choices_from else self.kept
+        for name, tail in zip(_KEPT_FIELDS, kept):  # where this position's row of each replay tail goes
+            arrays[name][b] = tail.place(like[_KEPT_NAMES[name]], at_end=True)
+        self._written = kept
+
+    def advance(self) -> None:
+        """The places the kernel wrote now belong to the tails (a store whose group completed holds one more entry
+        and none pending)."""
+        position = len(self.shared.tokens)
+        for tail in self.windows:
+            tail.advance(1)
+        for _, store in self.stores:
+            if (position + 1) % store.ratio == 0:
+                store.latents.advance(1)
+                store.keys.advance(1)
+                store.inputs.drop()
+            else:
+                store.inputs.advance(1)
+        for tail in self._written:
+            tail.advance(1)
 
 
 class RowPlaces:
@@ -361,6 +387,11 @@ class RowPlaces:
                                                    "pool_valid")}
 
     def rows(self, B: int) -> kernels.V41Rows:
-        """The V41Rows of these arrays (kept alive with this object)."""
-        self._held = {name: (ctypes.c_long * len(values))(*values) for name, values in self.arrays.items()}
-        return kernels.V41Rows(B=B, **{name: ctypes.addressof(array) for name, array in self._held.items()})
+        """The V41Rows of these arrays, laid end to end in one C array (kept alive with this object)."""
+        flat, offsets = [], {}
+        for name, values in self.arrays.items():
+            offsets[name] = len(flat)
+            flat += values
+        self._held = (ctypes.c_long * len(flat))(*flat)
+        base, size = ctypes.addressof(self._held), ctypes.sizeof(ctypes.c_long)
+        return kernels.V41Rows(B=B, **{name: base + size * offset for name, offset in offsets.items()})

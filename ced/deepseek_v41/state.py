@@ -84,6 +84,11 @@ class Tail:
         if self.keep is not None and self._n > self.keep:
             self._start, self._n = self._start + self._n - self.keep, self.keep
 
+    def drop(self) -> None:
+        """Let go of every position held: the tail is empty, and its next positions go past every view handed out
+        (a store's pending inputs, once their group completes, without a new buffer for the next group)."""
+        self._start, self._n, self._view = self._start + self._n, 0, None
+
     def append(self, new: Tensor) -> None:
         k = new.shape[1]
         self.reserve(k, new)
