@@ -31,8 +31,7 @@ from .state import V41ConversationState
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 _CHOICES = ("selection.idx", "selection.valid", "pool.idx", "pool.valid")
-_KEPT_NAMES = {name.replace(".", "_"): name for name in ("stream", "pre", *_CHOICES)}  # V41Rows field -> tail name
-_KEPT_FIELDS = tuple(_KEPT_NAMES)
+TAILS_NEED_ROOM, TAILS_OUT_OF_STEP = 1, 2  # v41_step_tails' answers besides the step's own
 
 
 class V41Plan:
@@ -58,6 +57,9 @@ class V41Plan:
             "pool.idx": torch.empty(1, 1, c.candidate_topk_blocks, dtype=long_),
             "pool.valid": torch.empty(1, 1, c.candidate_topk_blocks, dtype=bool_)}
         self.no_inputs = torch.empty(1, 0, c.hidden_size, dtype=f)  # a store's pending group once it completes
+        source = c.roles[c.decoder_start].kv_source  # a step keeps layer E's choices once this store has an entry
+        self.n_choices = 0 if source is None else 4 if c.candidate_topk_blocks else 2
+        self.choices_from = 0 if source is None else c.compress_ratios[source] - 1  # the first such position
 
     def model_struct(self) -> kernels.V41Model | None:
         if not self.native:
@@ -173,21 +175,25 @@ class V41Plan:
         order = tuple(self.adapter_set.names)
         slots = [-1 if name is None else order.index(name) for name in adapters]
         rows = [self._row_tails(state) for state in states]
-        if not all(row.steppable() for row in rows):
-            return None
-        places = RowPlaces(B, self.config.num_hidden_layers)
-        for b, row in enumerate(rows):
-            row.place(places, b, self.like)  # each row's places, room reserved in each tail the kernel writes
-        places.arrays["positions"], places.arrays["lora_slots"] = [state.length for state in states], slots
-        c_rows = places.rows(B)
-        if all(slot < 0 for slot in slots):
-            c_rows.lora_slots = None  # no row has an adapter: no LoRA anywhere
+        tails = (ctypes.c_void_p * B)(*(row.address for row in rows))
+        positions = (ctypes.c_long * B)(*(len(state.shared.tokens) for state in states))
+        lora_slots = None if all(slot < 0 for slot in slots) else (ctypes.c_long * B)(*slots)  # None: no LoRA
         ids = (ctypes.c_long * B)(*tokens)
         logits = torch.empty(B, self.config.vocab_size)
-        kernels.check(kernels.library().v41_decode_step(ctypes.byref(c_rows), ctypes.byref(struct), ids,
-                                                        logits.data_ptr()))
-        for state, token, row in zip(states, tokens, rows):
-            row.advance()  # the places the kernel wrote now belong to the row's tails
+        step = lambda: kernels.library().v41_step_tails(  # noqa: E731
+            B, tails, len(self.stores), self.choices_from, self.n_choices, positions, lora_slots, ctypes.byref(struct),
+            ids, logits.data_ptr())
+        code = step()  # the kernel finds each row's places in its tails, steps, and advances the tails
+        if code == TAILS_NEED_ROOM:  # a full tail: every row's full ones move to larger buffers (amortised)
+            for row in rows:
+                row.make_room()
+            code = step()
+            if code == TAILS_NEED_ROOM:
+                raise RuntimeError("v41_step_tails found a full tail after make_room (a bug)")
+        if code == TAILS_OUT_OF_STEP:
+            return None
+        kernels.check(code)
+        for state, token in zip(states, tokens):
             state.shared.tokens.append(token)
         return logits
 
@@ -320,59 +326,35 @@ def _address(tensor: Tensor | None) -> int:
 
 
 class RowTails:
-    """One conversation's tails in the order a step's places go: its window of each layer (layers 0..E shared, the
-    rest its adapter-bound ones), each store's latents, keys and pending inputs, and the replay tails. Built once
-    per state and adapter-bound windows, so a step touches them without looking each up."""
+    """One conversation's tails in the order `v41_step_tails` reads them (v41.cpp): its window of each layer (layers
+    0..E shared, the rest its adapter-bound ones), each store's latents, keys and pending inputs, then the replay
+    tails (stream, pre, the choices), as one C array of their TailMetas. Built once per state and adapter-bound
+    windows, so a step's Python does not touch them one by one."""
 
     def __init__(self, plan: V41Plan, state: V41ConversationState):
-        config, shared = plan.config, state.shared
+        config, shared, like = plan.config, state.shared, plan.like
         E, L = config.decoder_start, config.num_hidden_layers
-        self.shared, self.bound, self.L = shared, state.bound, L
-        self.windows = [(shared.windows if layer <= E else state.bound.windows)[layer].tail for layer in range(L)]
-        self.stores = [(s, shared.stores[layer]) for layer, s in plan.stores.items()]  # (its slot, the store)
-        source = config.roles[E].kv_source  # a row keeps layer E's choices once this store has an entry
-        self.choices_from = 0 if source is None else config.compress_ratios[source] - 1  # the first such position
-        self.kept = [shared.tails[name] for name in ("stream", "pre")]
-        self.choices = [] if source is None else [
-            shared.tails[name] for name in _CHOICES[: 4 if config.candidate_topk_blocks else 2]]
-        self._written: list = []
+        self.shared, self.bound = shared, state.bound
+        tails = [((shared.windows if layer <= E else state.bound.windows)[layer].tail, like["latent"])
+                 for layer in range(L)]
+        for layer in plan.stores:  # by slot
+            store = shared.stores[layer]
+            tails += [(store.latents, like["latent"]), (store.keys, like["key"])]
+            tails.append((store.inputs, like["input"]) if store.ratio > 1 else (store.inputs, None))
+        names = ("stream", "pre", *_CHOICES[: plan.n_choices])
+        tails += [(shared.tails[name], like[name]) for name in names]
+        self.tails = tails
+        self._metas = (ctypes.POINTER(kernels.TailMeta) * len(tails))(*(ctypes.pointer(t.meta) for t, _ in tails))
+        self.address = ctypes.addressof(self._metas)
 
-    def steppable(self) -> bool:
-        """Whether each store's pending group is in step with the position (else torch's path says what is wrong)."""
-        position = len(self.shared.tokens)
-        return all(store.ratio == 1 or len(store.inputs) == position % store.ratio for _, store in self.stores)
+    def __deepcopy__(self, memo: dict) -> None:
+        return None  # a copy of the state builds its own (these point at the original's tails)
 
-    def place(self, places: "RowPlaces", b: int, like: dict[str, Tensor]) -> None:
-        """Row b's places in `places`, with room for this position reserved in every tail the kernel writes."""
-        arrays, L, S, position = places.arrays, self.L, kernels.MAX_STORES, len(self.shared.tokens)
-        latent = like["latent"]
-        arrays["windows"][b * L: (b + 1) * L] = [tail.place(latent) for tail in self.windows]
-        arrays["window_n"][b * L: (b + 1) * L] = [len(tail) for tail in self.windows]
-        for s, store in self.stores:
-            i = b * S + s
-            arrays["latents"][i], arrays["keys"][i] = store.latents.place(latent), store.keys.place(like["key"])
-            arrays["n_entries"][i] = len(store.latents)
-            arrays["pending"][i] = store.inputs.place(like["input"]) if store.ratio > 1 else 0
-        kept = self.kept + self.choices if position >= self.choices_from else self.kept
-        for name, tail in zip(_KEPT_FIELDS, kept):  # where this position's row of each replay tail goes
-            arrays[name][b] = tail.place(like[_KEPT_NAMES[name]], at_end=True)
-        self._written = kept
-
-    def advance(self) -> None:
-        """The places the kernel wrote now belong to the tails (a store whose group completed holds one more entry
-        and none pending)."""
-        position = len(self.shared.tokens)
-        for tail in self.windows:
-            tail.advance(1)
-        for _, store in self.stores:
-            if (position + 1) % store.ratio == 0:
-                store.latents.advance(1)
-                store.keys.advance(1)
-                store.inputs.drop()
-            else:
-                store.inputs.advance(1)
-        for tail in self._written:
-            tail.advance(1)
+    def make_room(self) -> None:
+        """Room for one more position in each tail the kernel writes (a full one moves to a larger buffer)."""
+        for tail, like in self.tails:
+            if like is not None and (tail.meta.room < 1 or not tail.meta.buf):
+                tail.reserve(1, like)
 
 
 class RowPlaces:

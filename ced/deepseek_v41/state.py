@@ -14,12 +14,15 @@ the family's state operations beside it under the `ced` family's names (`ced.fam
 
 from __future__ import annotations
 
+import copy
+import ctypes
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from torch import Tensor
 
+from .. import kernels
 from ..state import DeltaError, Selection, StateDelta, _nbytes, dense
 
 if TYPE_CHECKING:
@@ -34,66 +37,90 @@ class Tail:
     into spare room: a decode step writes one position, O(1), where a concatenation copied the whole. A view it
     handed out is never written afterwards (appends write only past the end of every view handed out, and a full
     buffer is replaced, not reused; a tensor it is given is adopted without room, so never written either), so
-    copies of a state may share what they hold. `value` is the same tensor object until the tail changes."""
+    copies of a state may share what they hold. `value` is the same tensor object until the tail changes.
+
+    Where its positions lie is `meta` (a ced.kernels.TailMeta: buffer address, start, n, room, stride, keep), which
+    a native decode step (ced/deepseek_v41/native.py) reads and advances in place, as `advance` does."""
 
     def __init__(self, keep: int | None = None, value: Tensor | None = None):
         self.keep = keep
+        self.meta = kernels.TailMeta(keep=keep or 0)
         self.set(value)
 
     def set(self, value: Tensor | None) -> None:
-        self._buf, self._start, self._n, self._room, self._view = value, 0, 0 if value is None else value.shape[1], 0, value
-        self._stride = 0  # bytes a position takes in a buffer of its own (reserve)
+        """Adopt `value` (B, n, ...) as it is, without room (its first append moves it to a buffer of its own)."""
+        meta, n = self.meta, 0 if value is None else value.shape[1]
+        meta.buf, meta.start, meta.n, meta.room, meta.stride = 0, 0, n, 0, 0
+        self._buf, self._view, self._view_at = value, value, (0, n)
 
     @property
     def value(self) -> Tensor | None:
-        if self._view is None and self._buf is not None:
-            self._view = self._buf[:, self._start: self._start + self._n]
+        meta = self.meta
+        if self._buf is not None and self._view_at != (meta.start, meta.n):
+            self._view, self._view_at = self._buf[:, meta.start: meta.start + meta.n], (meta.start, meta.n)
         return self._view
 
     def __len__(self) -> int:
-        return self._n
+        return self.meta.n
 
     def reserve(self, k: int, like: Tensor) -> None:
         """Room for k more positions at the end, shaped and typed as `like` (B, k, ...) (a new buffer if needed)."""
-        if self._buf is not None and k <= self._room:
+        meta = self.meta
+        if self._buf is not None and k <= meta.room:
             return
-        keep_n = self._n if self.keep is None else min(self._n, self.keep)
+        keep_n = meta.n if self.keep is None else min(meta.n, self.keep)
         capacity = (2 * self.keep + k) if self.keep is not None else max(2 * (keep_n + k), 16)
         buf = like.new_empty(like.shape[0], capacity, *like.shape[2:])
         if keep_n:
-            buf[:, :keep_n] = self._buf[:, self._start + self._n - keep_n: self._start + self._n]
-        self._buf, self._start, self._n, self._room, self._view = buf, 0, keep_n, capacity - keep_n, None
-        self._stride = buf.stride(1) * buf.element_size()
+            buf[:, :keep_n] = self._buf[:, meta.start + meta.n - keep_n: meta.start + meta.n]
+        self._buf, self._view, self._view_at = buf, None, None
+        meta.buf, meta.start, meta.n, meta.room = buf.data_ptr(), 0, keep_n, capacity - keep_n
+        meta.stride = buf.stride(1) * buf.element_size()
 
     def place(self, like: Tensor, at_end: bool = False) -> int:
         """The address of the first position held (`at_end`: of position n), with room reserved for one more at
         position n (a native step writes it there, then the caller calls `advance(1)`)."""
-        if self._room < 1 or self._buf is None:
+        meta = self.meta
+        if meta.room < 1 or self._buf is None:
             self.reserve(1, like)
-        return self._buf.data_ptr() + (self._start + (self._n if at_end else 0)) * self._stride  # a deep copy moves
+        return meta.buf + (meta.start + (meta.n if at_end else 0)) * meta.stride
 
     def next_places(self, k: int, like: Tensor) -> list[int]:
         """The addresses of positions n .. n + k - 1, room reserved (a native call writes them, then `advance(k)`)."""
         self.reserve(k, like)
-        base = self._buf.data_ptr() + (self._start + self._n) * self._stride
-        return [base + i * self._stride for i in range(k)]
+        meta = self.meta
+        base = meta.buf + (meta.start + meta.n) * meta.stride
+        return [base + i * meta.stride for i in range(k)]
 
     def advance(self, k: int) -> None:
         """k positions written past the end now belong to the tail (the oldest drop out past `keep`)."""
-        self._n, self._room, self._view = self._n + k, self._room - k, None
-        if self.keep is not None and self._n > self.keep:
-            self._start, self._n = self._start + self._n - self.keep, self.keep
+        meta = self.meta
+        meta.n, meta.room = meta.n + k, meta.room - k
+        if self.keep is not None and meta.n > self.keep:
+            meta.start, meta.n = meta.start + meta.n - self.keep, self.keep
 
     def drop(self) -> None:
         """Let go of every position held: the tail is empty, and its next positions go past every view handed out
         (a store's pending inputs, once their group completes, without a new buffer for the next group)."""
-        self._start, self._n, self._view = self._start + self._n, 0, None
+        meta = self.meta
+        meta.start, meta.n = meta.start + meta.n, 0
 
     def append(self, new: Tensor) -> None:
         k = new.shape[1]
         self.reserve(k, new)
-        self._buf[:, self._start + self._n: self._start + self._n + k] = new
+        start = self.meta.start + self.meta.n
+        self._buf[:, start: start + k] = new
         self.advance(k)
+
+    def __deepcopy__(self, memo: dict) -> "Tail":
+        """A copy with its own buffer, its addresses that buffer's (a copied TailMeta would point at this one's)."""
+        twin = Tail(self.keep)
+        twin._buf = copy.deepcopy(self._buf, memo)
+        ctypes.memmove(ctypes.addressof(twin.meta), ctypes.addressof(self.meta), ctypes.sizeof(self.meta))
+        if self.meta.buf:  # a buffer of its own (an adopted tensor has no address: its first write reserves)
+            twin.meta.buf = twin._buf.data_ptr()
+        twin._view, twin._view_at = None, None
+        return twin
 
 
 class LatentWindow:

@@ -155,6 +155,13 @@ class V41Rows(ctypes.Structure):
         "selection_idx", "selection_valid", "pool_idx", "pool_valid"))]
 
 
+class TailMeta(ctypes.Structure):
+    """v41.cpp's `TailMeta`: where a ced.deepseek_v41.state.Tail holds its positions (its own fields: the kernel
+    advances it in place)."""
+
+    _fields_ = [(name, _c_long) for name in ("buf", "start", "n", "room", "stride", "keep")]
+
+
 def _load() -> ctypes.CDLL | None:
     if os.environ.get("MOL2_NATIVE", "1") == "0":
         return None
@@ -180,6 +187,8 @@ def _load() -> ctypes.CDLL | None:
                               _c_long, _ptr, _c_long, _ptr, _ptr, _ptr, _c_long, ctypes.c_float, _ptr]),
         "decode_step": (_c_int, [rows, ctypes.POINTER(StepModel), _ptr, _ptr]),
         "v41_decode_step": (_c_int, [ctypes.POINTER(V41Rows), ctypes.POINTER(V41Model), _ptr, _ptr]),
+        "v41_step_tails": (_c_int, [_c_int, _ptr, _c_long, _c_long, _c_long, _ptr, _ptr, ctypes.POINTER(V41Model),
+                                    _ptr, _ptr]),
         "v41_run": (_c_int, [ctypes.POINTER(V41Rows), ctypes.POINTER(V41Model), _ptr, _c_int, _c_int, _ptr, _ptr,
                              _c_int]),
         "v41_hc_weights": (None, [_ptr, _c_long, _c_long, _c_long, _ptr, _ptr, _ptr, _c_int, ctypes.c_float,

@@ -57,6 +57,14 @@ struct V41Model {
   const V41Layer* layers;
 };
 
+// Where one of a conversation's tails (ced/deepseek_v41/state.py Tail) holds its positions: n of them from `start`,
+// `room` free ones after them, `stride` bytes apart from `buf`; keep > 0: it holds at most that many, the oldest
+// dropping out. Mirrored by ced/kernels TailMeta; the Tail reads and writes these very fields.
+struct TailMeta {
+  char* buf;
+  long start, n, room, stride, keep;
+};
+
 // The rows of one step and where their state lies. Mirrored by ced/kernels V41Rows.
 struct V41Rows {
   int B;
@@ -639,6 +647,85 @@ int v41_run(const V41Rows* r, const V41Model* m, const long* tokens, int from_si
 // places. Returns nonzero where a LoRA rank is above the kernels' limit.
 int v41_decode_step(const V41Rows* r, const V41Model* m, const long* tokens, float* logits) {
   return v41_run(r, m, tokens, 0, 2 * m->n_layers, nullptr, logits, 0);
+}
+
+enum { TAILS_NEED_ROOM = 1, TAILS_OUT_OF_STEP = 2 };
+
+// A decode step of B rows from their tails: each row's places found in its tails, the step run (v41_decode_step), and
+// the tails advanced past what it wrote; the Python of a step then only appends the tokens. `tails[b]`: row b's tails
+// in order: the window of each layer, each store's latents, keys and pending inputs (stores by slot), then stream,
+// pre and the first `n_choices` of selection idx / valid and pool idx / valid, which a row keeps from position
+// `choices_from` on. Returns TAILS_NEED_ROOM, having done nothing, where a tail it would write is full (the caller
+// makes room, then calls again), TAILS_OUT_OF_STEP where a store's pending group does not match a row's position
+// (torch's path says what is wrong), else v41_decode_step's code.
+int v41_step_tails(int B, TailMeta* const* const* tails, long n_stores, long choices_from, long n_choices,
+                   const long* positions, const long* lora_slots, const V41Model* m, const long* tokens,
+                   float* logits) {
+  const long L = m->n_layers, S = MAX_STORES, k = L + 3 * n_stores;  // k: stream's place in a row's tails
+  for (int b = 0; b < B; ++b) {
+    TailMeta* const* t = tails[b];
+    const long written = k + 2 + (positions[b] >= choices_from ? n_choices : 0);
+    for (long i = 0; i < written; ++i) {
+      const bool pending_of_ratio_one = i >= L && i < k && (i - L) % 3 == 2 && m->store_ratio[(i - L) / 3] == 1;
+      if (!pending_of_ratio_one && (t[i]->room < 1 || !t[i]->buf)) return TAILS_NEED_ROOM;
+    }
+    for (long s = 0; s < n_stores; ++s)
+      if (m->store_ratio[s] > 1 && t[L + 3 * s + 2]->n != positions[b] % m->store_ratio[s]) return TAILS_OUT_OF_STEP;
+  }
+  auto at = [](const TailMeta* t, long i) { return t->buf + (t->start + i) * t->stride; };
+  std::vector<float*> windows(B * L), latents(B * S), keys(B * S), pending(B * S), stream(B), pre(B);
+  std::vector<long> window_n(B * L), n_entries(B * S);
+  std::vector<long*> sel_idx(B), pool_idx(B);
+  std::vector<bool*> sel_valid(B), pool_valid(B);
+  for (int b = 0; b < B; ++b) {
+    TailMeta* const* t = tails[b];
+    for (long l = 0; l < L; ++l) {
+      windows[b * L + l] = reinterpret_cast<float*>(at(t[l], 0));
+      window_n[b * L + l] = t[l]->n;
+    }
+    for (long s = 0; s < n_stores; ++s) {
+      const TailMeta *entries = t[L + 3 * s], *index_keys = t[L + 3 * s + 1], *inputs = t[L + 3 * s + 2];
+      latents[b * S + s] = reinterpret_cast<float*>(at(entries, 0));
+      keys[b * S + s] = reinterpret_cast<float*>(at(index_keys, 0));
+      n_entries[b * S + s] = entries->n;
+      pending[b * S + s] = m->store_ratio[s] > 1 ? reinterpret_cast<float*>(at(inputs, 0)) : nullptr;
+    }
+    stream[b] = reinterpret_cast<float*>(at(t[k], t[k]->n));
+    pre[b] = reinterpret_cast<float*>(at(t[k + 1], t[k + 1]->n));
+    if (positions[b] < choices_from) continue;
+    if (n_choices >= 2) {
+      sel_idx[b] = reinterpret_cast<long*>(at(t[k + 2], t[k + 2]->n));
+      sel_valid[b] = reinterpret_cast<bool*>(at(t[k + 3], t[k + 3]->n));
+    }
+    if (n_choices >= 4) {
+      pool_idx[b] = reinterpret_cast<long*>(at(t[k + 4], t[k + 4]->n));
+      pool_valid[b] = reinterpret_cast<bool*>(at(t[k + 5], t[k + 5]->n));
+    }
+  }
+  const V41Rows rows{B, positions, lora_slots, windows.data(), window_n.data(), latents.data(), keys.data(),
+                     n_entries.data(), pending.data(), stream.data(), pre.data(), sel_idx.data(), sel_valid.data(),
+                     pool_idx.data(), pool_valid.data()};
+  if (const int code = v41_decode_step(&rows, m, tokens, logits)) return code;
+  auto advance = [](TailMeta* t) {
+    ++t->n, --t->room;
+    if (t->keep > 0 && t->n > t->keep) t->start += t->n - t->keep, t->n = t->keep;
+  };
+  for (int b = 0; b < B; ++b) {
+    TailMeta* const* t = tails[b];
+    for (long l = 0; l < L; ++l) advance(t[l]);
+    for (long s = 0; s < n_stores; ++s) {
+      TailMeta* inputs = t[L + 3 * s + 2];
+      if ((positions[b] + 1) % m->store_ratio[s] == 0) {  // the group is complete: one more entry, none pending
+        advance(t[L + 3 * s]), advance(t[L + 3 * s + 1]);
+        inputs->start += inputs->n, inputs->n = 0;
+      } else {
+        advance(inputs);
+      }
+    }
+    const long kept = 2 + (positions[b] >= choices_from ? n_choices : 0);
+    for (long i = 0; i < kept; ++i) advance(t[k + i]);
+  }
+  return 0;
 }
 
 // hc_weights (model.py) of `rows` positions' streams x (rows, n, C): pre and post (rows, n), comb (rows, n, n); each
