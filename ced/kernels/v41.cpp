@@ -369,10 +369,9 @@ int index(Step& s, const V41Layer* L, const float* xn, const float* q_res) {
   if (linear(L->i_wq_b, q_res, m->Q, s.B, s.r->lora_slots, q.data(), nI * dI) ||
       linear(L->i_weights, xn, C, s.B, s.r->lora_slots, w.data(), nI))
     return -1;
-  std::vector<std::pair<float, long>> cand;
-  for (int b = 0; b < s.B; ++b) {
+  kernels::parallel_for(s.B, s.B > 1, [&](long b) {  // rows apart: each row reads entries compress wrote already
     const long N = s.entries[b * MAX_STORES + L->read_store], pos = s.r->positions[b];
-    if (N == 0) continue;
+    if (N == 0) return;
     float* qb = q.data() + b * nI * dI;
     rope(qb, nI, dI, m->R, m->inv_freq[L->rope], pos, 1.0f);
     std::vector<float> head_weight(nI);  // w_h / sqrt(nI) / sqrt(dI): what a head's ReLU score is weighted by
@@ -392,7 +391,7 @@ int index(Step& s, const V41Layer* L, const float* xn, const float* q_res) {
       }
       return total;
     };
-    cand.clear();
+    std::vector<std::pair<float, long>> cand;
     if (L->uses_candidates && s.has_pool[b]) {  // only the entries of the pool's blocks, in entry order
       std::vector<long> blocks;
       for (long j = 0; j < P; ++j)
@@ -415,7 +414,7 @@ int index(Step& s, const V41Layer* L, const float* xn, const float* q_res) {
     }
     top_k(cand, K, s.sel_idx.data() + b * K, s.sel_valid.data() + b * K);
     s.has_sel[b] = 1;
-  }
+  });
   return 0;
 }
 
@@ -487,9 +486,10 @@ int attention_site(Step& s, const V41Layer* L, int layer) {
     if (linear(L->wo_a + g, out.data() + g * group_in, H * D, B, r->lora_slots, grouped.data() + g * Ro, G * Ro))
       return -1;
   if (linear(L->wo_b, grouped.data(), G * Ro, B, r->lora_slots, y.data(), C)) return -1;
-  for (int b = 0; b < B; ++b)
+  kernels::parallel_for(B, B > 1, [&](long b) {
     hc_site(m, L->hc_attn_fn, L->hc_attn_base, L->hc_attn_scale, s.x.data() + b * n * C, y.data() + b * C,
             s.pre.data() + b * n);
+  });
   return 0;
 }
 
@@ -560,9 +560,10 @@ int ffn_site(Step& s, const V41Layer* L) {
     if (expert(L->shared, xn.data(), B, s.r->lora_slots, 0.0f, shared.data())) return -1;
     for (long i = 0; i < B * C; ++i) routed[i] += shared[i];
   }
-  for (int b = 0; b < B; ++b)
+  kernels::parallel_for(B, B > 1, [&](long b) {
     hc_site(m, L->hc_ffn_fn, L->hc_ffn_base, L->hc_ffn_scale, s.x.data() + b * n * C, routed.data() + b * C,
             s.pre.data() + b * n);
+  });
   return 0;
 }
 
