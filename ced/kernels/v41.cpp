@@ -10,6 +10,7 @@
 // reserved. Products run on decode.cpp's panels with each row's LoRA; a row's result does not depend on the other
 // rows of the call. Same arithmetic as the torch model in another summation order: logits agree to float tolerance.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -536,30 +537,39 @@ int ffn_site(Step& s, const V41Layer* L) {
       weights[b * k + j] = (m->norm_topk ? scores[order[j]] / (sum + 1e-20f) : scores[order[j]]) * m->routed_scale;
     }
   }
-  std::vector<float> rows_x, rows_y;
-  std::vector<long> rows, slots, places;
-  for (long e = 0; e < E; ++e) {  // each chosen expert once, in expert order, over the rows that chose it
-    rows.clear(), places.clear(), slots.clear(), rows_x.clear();
-    for (int b = 0; b < B; ++b)
-      for (long j = 0; j < k; ++j)
-        if (ids[b * k + j] == e) {
-          rows.push_back(b), places.push_back(b * k + j);
-          slots.push_back(s.r->lora_slots ? s.r->lora_slots[b] : -1);
-          rows_x.insert(rows_x.end(), xn.begin() + b * C, xn.begin() + (b + 1) * C);
-        }
-    if (rows.empty()) continue;
-    rows_y.resize(rows.size() * C);
-    if (expert(L->experts + 3 * e, rows_x.data(), rows.size(), s.r->lora_slots ? slots.data() : nullptr,
-               m->swiglu_limit, rows_y.data()))
-      return -1;
-    for (size_t i = 0; i < rows.size(); ++i)
-      for (long c = 0; c < C; ++c) routed[rows[i] * C + c] += rows_y[i * C + c] * weights[places[i]];
-  }
-  if (L->shared) {
-    std::vector<float> shared(B * C);
-    if (expert(L->shared, xn.data(), B, s.r->lora_slots, 0.0f, shared.data())) return -1;
-    for (long i = 0; i < B * C; ++i) routed[i] += shared[i];
-  }
+  // Each chosen expert once, over the rows that chose it, and the shared expert over every row: one task each, on
+  // both threads (each into buffers of its own), then added to each row in expert order, the shared one last.
+  std::vector<std::vector<long>> rows(E), places(E), slots(E);
+  for (int b = 0; b < B; ++b)
+    for (long j = 0; j < k; ++j) {
+      const long e = ids[b * k + j];
+      rows[e].push_back(b), places[e].push_back(b * k + j);
+      slots[e].push_back(s.r->lora_slots ? s.r->lora_slots[b] : -1);
+    }
+  std::vector<std::vector<float>> outputs(E + 1);
+  std::atomic<int> failed{0};
+  kernels::parallel_for(E + 1, B > 1, [&](long task) {  // task 0: the shared expert (the largest, claimed first)
+    if (task == 0) {
+      if (!L->shared) return;
+      outputs[E].resize(B * C);
+      if (expert(L->shared, xn.data(), B, s.r->lora_slots, 0.0f, outputs[E].data())) failed = 1;
+      return;
+    }
+    const long e = task - 1, M = rows[e].size();
+    if (M == 0) return;
+    std::vector<float> x(M * C);
+    for (long i = 0; i < M; ++i) std::memcpy(x.data() + i * C, xn.data() + rows[e][i] * C, C * sizeof(float));
+    outputs[e].resize(M * C);
+    if (expert(L->experts + 3 * e, x.data(), M, s.r->lora_slots ? slots[e].data() : nullptr, m->swiglu_limit,
+               outputs[e].data()))
+      failed = 1;
+  });
+  if (failed) return -1;
+  for (long e = 0; e < E; ++e)
+    for (size_t i = 0; i < rows[e].size(); ++i)
+      for (long c = 0; c < C; ++c) routed[rows[e][i] * C + c] += outputs[e][i * C + c] * weights[places[e][i]];
+  if (L->shared)
+    for (long i = 0; i < B * C; ++i) routed[i] += outputs[E][i];
   kernels::parallel_for(B, B > 1, [&](long b) {
     hc_site(m, L->hc_ffn_fn, L->hc_ffn_base, L->hc_ffn_scale, s.x.data() + b * n * C, routed.data() + b * C,
             s.pre.data() + b * n);
