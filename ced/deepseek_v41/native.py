@@ -5,11 +5,12 @@ A V4.1 layer for one token per row is ~200 small torch operations (two mHC sites
 ~80, the low-rank query, the latent and its window, the compressor, the indexer's scores and top-k, the sink
 softmax, the grouped output, the gate and an expert loop); on the demo the torch step costs ~18 ms a token in
 dispatch where its arithmetic is well under one. Here `V41Engine.step_rows` (and `step`) is one call of
-`v41_decode_step` over a `V41Model` (pointers to packed weights and each row's LoRA, built once per set of loaded
-adapters by `V41Plan`) and a `V41Rows` (each row's windows, stores, pending group and replay tails, at places the
-tails reserve: `ced.deepseek_v41.state.Tail`). The arithmetic is the model's in another summation order: a row's
-logits agree with the torch step's to float tolerance, its state likewise, and its top-k and expert choices are
-the same; a row's result does not depend on the other rows of the call.
+`v41_step_tails` over a `V41Model` (pointers to packed weights and each row's LoRA, built once per set of loaded
+adapters by `V41Plan`) and each row's `RowTails` (the TailMetas of its windows, stores, pending group and replay
+tails: `ced.deepseek_v41.state.Tail`): the kernel finds each row's places in them, runs `v41_decode_step` and
+advances them. The arithmetic is the model's in another summation order: a row's logits agree with the torch
+step's to float tolerance, its state likewise, and its top-k and expert choices are the same; a row's result does
+not depend on the other rows of the call.
 
 The same call runs a range of sites (`v41_run`): a prefill chunk is the adapter-free sites with the chunk's tokens
 as rows, each at its own position in the same tails, so a chunk writes bitwise what its tokens one step at a time
@@ -358,7 +359,7 @@ class RowTails:
 
 
 class RowPlaces:
-    """The addresses and counts a step's V41Rows points at, by field name (each a flat list: (B, L) windows,
+    """The addresses and counts a prefill chunk's or a replay's V41Rows points at, by field name (each a flat list: (B, L) windows,
     (B, MAX_STORES) stores, (B) replay tails; 0 where a row has nothing there)."""
 
     def __init__(self, B: int, L: int):
