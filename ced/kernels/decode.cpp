@@ -469,12 +469,13 @@ int index_select(const DecodeRows* r, const float* xn, const Linear* query, cons
                  const float* index_keys, long heads, long dim, long top_k, long* idx, bool* valid) {
   const int B = r->B;
   const long C = query->in, N = r->n_entries, k = std::min(top_k, N);
-  std::vector<float> q(B * heads * dim), w(B * heads), scores(N);
-  std::vector<long> order(N);
+  std::vector<float> q(B * heads * dim), w(B * heads);
   if (linear(query, xn, C, B, r->lora_slots, q.data(), heads * dim) ||
       linear(weight, xn, C, B, r->lora_slots, w.data(), heads))
     return -1;
-  for (int b = 0; b < B; ++b) {
+  parallel(B, B > 1, [&](long b) {  // a row per claim, on whichever thread: a row's choice is its own
+    std::vector<float> scores(N);
+    std::vector<long> order(N);
     for (long n = 0; n < N; ++n) {
       if ((n + 1) * r->block - 1 > r->positions[b]) {
         scores[n] = -INFINITY;
@@ -494,7 +495,7 @@ int index_select(const DecodeRows* r, const float* xn, const Linear* query, cons
       idx[b * top_k + j] = j < k ? order[j] : 0;
       valid[b * top_k + j] = j < k && scores[order[j]] > -INFINITY;
     }
-  }
+  });
   return 0;
 }
 
