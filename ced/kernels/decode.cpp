@@ -297,7 +297,7 @@ int swiglu_block(const float* x, int M, const float* norm_w, float eps, const Li
   std::vector<float> n(M * C), g(M * F), u(M * F);
   rms_norm(x, M, C, norm_w, eps, n.data());
   if (linear(gate, n.data(), C, M, slots, g.data(), F) || linear(up, n.data(), C, M, slots, u.data(), F)) return -1;
-  for (long i = 0; i < M * F; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  kernels::swiglu(g.data(), u.data(), M * F, 0.0f);
   if (linear(down, g.data(), F, M, slots, y, C)) return -1;
   for (long i = 0; i < M * C; ++i) y[i] = x[i] + y[i];
   return 0;

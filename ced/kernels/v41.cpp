@@ -218,35 +218,14 @@ void weighted_heads(const float* weights, long H, const float* const* rows, long
   }
 }
 
-// e^x in each of 16 lanes: 2^n p(r), n = x / ln 2 rounded, r = x - n ln 2 (in two parts), p Cephes' degree-6
-// polynomial: within 2 ulp of std::exp (checked over [-87.3, 88.7] in steps of 0.0007); 0 below ln FLT_MIN (no
-// subnormals), +inf above ln FLT_MAX. A lane's bits depend on its own input only, so a softmax gives each row the
-// same bits in any batch.
-inline kernels::v16 exp16(kernels::v16 x) {
-  using kernels::v16;
-  typedef int i16 __attribute__((vector_size(64)));
-  const v16 high = (v16){} + 88.72283f, low = (v16){} - 87.33654f, shift = (v16){} + 12582912.0f;  // rounds
-  const i16 over = x > high, under = x < low;
-  x = over ? high : under ? low : x;
-  const v16 n = (x * 1.44269504f + shift) - shift;
-  const v16 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  v16 p = (v16){} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f, p = p * r + 8.3334519073e-3f, p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f, p = p * r + 5.0000001201e-1f;
-  const v16 y = (p * (r * r) + r) + 1.0f;
-  const i16 k = __builtin_convertvector(n, i16);  // 2^k in two factors where 2^k alone would overflow (k = 128)
-  const v16 scaled = k > 0 ? (y * 2.0f) * (v16)((k + 126) << 23) : y * (v16)((k + 127) << 23);
-  return over ? (v16){} + INFINITY : under ? (v16){} : scaled;
-}
-
 // w[j] = e^(w[j] - top) for j < n, 16 at a time (the last ones padded).
 void exp_shifted(float* w, long n, float top) {
   long j = 0;
-  for (; j + 16 <= n; j += 16) kernels::store(w + j, exp16(kernels::load(w + j) - top));
+  for (; j + 16 <= n; j += 16) kernels::store(w + j, kernels::exp16(kernels::load(w + j) - top));
   if (j < n) {
     float tail[16] = {};
     std::memcpy(tail, w + j, (n - j) * sizeof(float));
-    const kernels::v16 e = exp16(kernels::load(tail) - top);
+    const kernels::v16 e = kernels::exp16(kernels::load(tail) - top);
     std::memcpy(w + j, &e, (n - j) * sizeof(float));
   }
 }
@@ -527,34 +506,12 @@ int attention_site(Step& s, const V41Layer* L, int layer) {
   return 0;
 }
 
-// g[i] = silu(g[i]) * u[i] for i < n, g clamped above and u both ways at `limit` where it is set (> 0); 16 at a
-// time, the last ones padded, so an element's bits do not depend on where it lies (a row's, in any batch).
-void swiglu(float* g, const float* u, long n, float limit) {
-  using kernels::v16;
-  auto sixteen = [limit](v16 gate, v16 up) {
-    if (limit > 0) {
-      gate = gate > limit ? (v16){} + limit : gate;
-      up = up > limit ? (v16){} + limit : up < -limit ? (v16){} - limit : up;
-    }
-    return gate / (1.0f + exp16(-gate)) * up;
-  };
-  long i = 0;
-  for (; i + 16 <= n; i += 16) kernels::store(g + i, sixteen(kernels::load(g + i), kernels::load(u + i)));
-  if (i < n) {
-    float gate[16] = {}, up[16] = {};
-    std::memcpy(gate, g + i, (n - i) * sizeof(float));
-    std::memcpy(up, u + i, (n - i) * sizeof(float));
-    const v16 out = sixteen(kernels::load(gate), kernels::load(up));
-    std::memcpy(g + i, &out, (n - i) * sizeof(float));
-  }
-}
-
 // One expert (w1, w2, w3) on M rows: y = w2(silu(w1 x) * w3 x), gate and up clamped at `limit` (0: not).
 int expert(const Linear* w, const float* x, int M, const long* slots, float limit, float* y) {
   const long C = w[0].in, F = w[0].out;
   std::vector<float> g(M * F), u(M * F);
   if (linear(w + 0, x, C, M, slots, g.data(), F) || linear(w + 2, x, C, M, slots, u.data(), F)) return -1;
-  swiglu(g.data(), u.data(), M * F, limit);
+  kernels::swiglu(g.data(), u.data(), M * F, limit);
   return linear(w + 1, g.data(), F, M, slots, y, C);
 }
 
