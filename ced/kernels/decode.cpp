@@ -334,7 +334,8 @@ void attend_one(const float* q, int B, long H, long D, const float* keys, const 
         top = std::max(top, score);
       }
       float total = 0.0f;
-      for (long i = 0; i < S + K; ++i) total += (p[i] = std::exp(p[i] - top));
+      kernels::exp_shifted(p.data(), S + K, top);
+      for (long i = 0; i < S + K; ++i) total += p[i];
       float* o = out + (b * H + h) * D;
       for (long d = 0; d < D; ++d) o[d] = 0.0f;
       for (long s = 0; s < S; ++s) {
@@ -527,7 +528,8 @@ int attention_post(const DecodeRows* r, const float* x, const float* q, const fl
         top = std::max(top, p[S + j] = score);
       }
       float total = 0.0f;
-      for (long i = 0; i < S + K; ++i) total += (p[i] = std::exp(p[i] - top));
+      kernels::exp_shifted(p.data(), S + K, top);
+      for (long i = 0; i < S + K; ++i) total += p[i];
       float* o = out.data() + b * HD + h * D;
       for (long s = 0; s < S; ++s) {
         const float weight = p[s] / total;

@@ -67,6 +67,18 @@ inline v16 exp16(v16 x) {
   return over ? (v16){} + INFINITY : under ? (v16){} : scaled;
 }
 
+// w[j] = e^(w[j] - top) for j < n, 16 at a time (the last ones padded).
+inline void exp_shifted(float* w, long n, float top) {
+  long j = 0;
+  for (; j + 16 <= n; j += 16) store(w + j, exp16(load(w + j) - top));
+  if (j < n) {
+    float tail[16] = {};
+    std::memcpy(tail, w + j, (n - j) * sizeof(float));
+    const v16 e = exp16(load(tail) - top);
+    std::memcpy(w + j, &e, (n - j) * sizeof(float));
+  }
+}
+
 // g[i] = silu(g[i]) * u[i] for i < n, g clamped above and u both ways at `limit` where it is set (> 0; 0: not); 16
 // at a time, the last ones padded, so an element's bits do not depend on where it lies (a row's, in any batch).
 inline void swiglu(float* g, const float* u, long n, float limit) {

@@ -218,18 +218,6 @@ void weighted_heads(const float* weights, long H, const float* const* rows, long
   }
 }
 
-// w[j] = e^(w[j] - top) for j < n, 16 at a time (the last ones padded).
-void exp_shifted(float* w, long n, float top) {
-  long j = 0;
-  for (; j + 16 <= n; j += 16) kernels::store(w + j, kernels::exp16(kernels::load(w + j) - top));
-  if (j < n) {
-    float tail[16] = {};
-    std::memcpy(tail, w + j, (n - j) * sizeof(float));
-    const kernels::v16 e = kernels::exp16(kernels::load(tail) - top);
-    std::memcpy(w + j, &e, (n - j) * sizeof(float));
-  }
-}
-
 float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 // Interleaved pairs (2i, 2i+1) of the trailing R dims of each of `heads` heads of width D, rotated by the angles
@@ -486,7 +474,7 @@ int attention_site(Step& s, const V41Layer* L, int layer) {
       float* w = weights.data() + head * S;
       const float top = std::max(*std::max_element(w, w + S), L->sink[head]);
       float total = 0.0f;
-      exp_shifted(w, S, top);
+      kernels::exp_shifted(w, S, top);
       for (long j = 0; j < S; ++j) total += w[j];
       total += std::exp(L->sink[head] - top);
       for (long j = 0; j < S; ++j) w[j] /= total;
