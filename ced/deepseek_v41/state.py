@@ -112,6 +112,14 @@ class Tail:
         self._buf[:, start: start + k] = new
         self.advance(k)
 
+    def __getstate__(self) -> dict:
+        """What a pickle or a shallow copy keeps: its positions, adopted without room by the copy, which holds no
+        address of this buffer (its first write moves it to a buffer of its own)."""
+        return {"keep": self.keep, "value": self.value}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["keep"], state["value"])
+
     def __deepcopy__(self, memo: dict) -> "Tail":
         """A copy with its own buffer, its addresses that buffer's (a copied TailMeta would point at this one's)."""
         twin = Tail(self.keep)

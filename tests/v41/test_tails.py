@@ -4,6 +4,9 @@ new buffer."""
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import torch
 
 from ced.deepseek_v41.state import Tail
@@ -33,3 +36,16 @@ def test_no_view_handed_out_is_written_after_a_drop():
         tail.append(rows(value))
     assert torch.equal(held, rows(1.0, 2.0))
     assert torch.equal(tail.value, rows(5.0, 6.0, 7.0))
+
+
+def test_a_copied_tail_never_writes_into_the_original_buffer():
+    """A deep copy takes its own buffer's address; a pickled or shallow copy holds none, so its first write moves it
+    to a buffer of its own. A native step writes where `meta` points, so a copy must not point at the original."""
+    tail = Tail()
+    tail.append(rows(1.0, 2.0))
+    original = tail.place(rows(0.0), at_end=True)
+    for twin in (copy.deepcopy(tail), copy.copy(tail), pickle.loads(pickle.dumps(tail))):
+        assert torch.equal(twin.value, rows(1.0, 2.0))
+        assert twin.place(rows(0.0), at_end=True) != original
+        twin.append(rows(9.0))
+        assert torch.equal(tail.value, rows(1.0, 2.0)) and torch.equal(twin.value, rows(1.0, 2.0, 9.0))
