@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -141,34 +142,80 @@ void dots_of(const float* rows, long count, const float* x, long n, float* y) {
   }
 }
 
-typedef float v4 __attribute__((vector_size(16)));
+#ifdef SHUFFLES
+// Where lane r of a fold of x (m entries of 16 / m partial sums each, in entry order) and y (the next m) reads:
+// the entry's partial o, plus `half` for its partial o + 16 / (2m).
+constexpr int fold_lane(int m, int r, int half) {
+  const int width = 16 / m, kept = width / 2, entry = r / kept, o = r % kept;
+  return (entry < m ? entry * width : 16 + (entry - m) * width) + o + (half ? kept : 0);
+}
 
-// dot_tree of one key with four heads' queries at once (q: 4 rows of n, n a multiple of 16): the same sums, the
-// four trees side by side, so the indexer's score of an entry does not wait on one tree after another.
-inline v4 dots4(const float* q, const float* key, long n) {
-  kernels::v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
-  for (long i = 0; i < n; i += 16) {
-    const kernels::v16 k = kernels::load(key + i);
-    a0 += kernels::load(q + i) * k, a1 += kernels::load(q + n + i) * k;
-    a2 += kernels::load(q + 2 * n + i) * k, a3 += kernels::load(q + 3 * n + i) * k;
-  }
-#ifndef SHUFFLES
-  return (v4){hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
+template <int M, int... R>
+inline kernels::v16 fold(kernels::v16 x, kernels::v16 y, std::integer_sequence<int, R...>) {
+  return __builtin_shufflevector(x, y, fold_lane(M, R, 0)...) + __builtin_shufflevector(x, y, fold_lane(M, R, 1)...);
+}
+
+// Lane j = hsum(acc[j]), bit for bit (each level adds what hsum adds at it), for 16 sums at once: 15 folds of two
+// vectors in place of 16 trees of one.
+inline kernels::v16 sums16(const kernels::v16* acc) {
+  const auto lanes = std::make_integer_sequence<int, 16>();
+  kernels::v16 two[8], four[4], eight[2];
+  for (int j = 0; j < 8; ++j) two[j] = fold<1>(acc[2 * j], acc[2 * j + 1], lanes);
+  for (int j = 0; j < 4; ++j) four[j] = fold<2>(two[2 * j], two[2 * j + 1], lanes);
+  for (int j = 0; j < 2; ++j) eight[j] = fold<4>(four[2 * j], four[2 * j + 1], lanes);
+  return fold<8>(eight[0], eight[1], lanes);
+}
 #else
-  typedef float v8 __attribute__((vector_size(32)));
-  auto halves = [](kernels::v16 a) -> v8 {
-    return __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-           __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-  };
-  const v8 h0 = halves(a0), h1 = halves(a1), h2 = halves(a2), h3 = halves(a3);
-  const v8 p01 = __builtin_shufflevector(h0, h1, 0, 1, 2, 3, 8, 9, 10, 11) +
-                 __builtin_shufflevector(h0, h1, 4, 5, 6, 7, 12, 13, 14, 15);  // heads 0 | 1, four sums each
-  const v8 p23 = __builtin_shufflevector(h2, h3, 0, 1, 2, 3, 8, 9, 10, 11) +
-                 __builtin_shufflevector(h2, h3, 4, 5, 6, 7, 12, 13, 14, 15);
-  const v8 pairs = __builtin_shufflevector(p01, p23, 0, 1, 8, 9, 4, 5, 12, 13) +
-                   __builtin_shufflevector(p01, p23, 2, 3, 10, 11, 6, 7, 14, 15);  // heads 0, 2, 1, 3: two each
-  return __builtin_shufflevector(pairs, pairs, 0, 4, 2, 6) + __builtin_shufflevector(pairs, pairs, 1, 5, 3, 7);
+inline kernels::v16 sums16(const kernels::v16* acc) {
+  kernels::v16 out;
+  for (int j = 0; j < 16; ++j) out[j] = hsum(acc[j]);
+  return out;
+}
 #endif
+
+// y[j] = scale * (q . rows[j]) for j < count, each dot as dot_tree sums it (as `dot` where n is not a multiple of
+// 16); 16 rows at a time, their dots reduced side by side (sums16).
+void value_dots(const float* q, const float* const* rows, long count, long n, float scale, float* y) {
+  long j0 = 0;
+  if (n % 16 == 0)
+    for (; j0 + 16 <= count; j0 += 16) {
+      kernels::v16 acc[16] = {};
+      for (long i = 0; i < n; i += 16) {
+        const kernels::v16 qv = kernels::load(q + i);
+        for (int j = 0; j < 16; ++j) acc[j] += kernels::load(rows[j0 + j] + i) * qv;
+      }
+      kernels::store(y + j0, sums16(acc) * scale);
+    }
+  for (long j = j0; j < count; ++j) y[j] = dot_tree(q, rows[j], n) * scale;
+}
+
+// The indexer's ReLU-weighted scores of `count` keys (rows of dI: keys + entry * dI, entry = entries[j] where given,
+// else first + j) against nI heads' queries q (nI, dI): sum_h weight[h] * max(q_h . key, 0), heads in order, each
+// dot as dot_tree sums it. 16 keys at a time where dI is a multiple of 16: their 16 dots of a head reduced side by
+// side (sums16).
+void index_scores(const float* q, const float* weight, long nI, long dI, const float* keys, const long* entries,
+                  long first, long count, float* scores) {
+  auto key = [&](long j) { return keys + (entries ? entries[j] : first + j) * dI; };
+  long j0 = 0;
+  if (dI % 16 == 0)
+    for (; j0 + 16 <= count; j0 += 16) {
+      kernels::v16 total = {};
+      for (long h = 0; h < nI; ++h) {
+        kernels::v16 acc[16] = {};
+        for (long i = 0; i < dI; i += 16) {
+          const kernels::v16 qv = kernels::load(q + h * dI + i);
+          for (int j = 0; j < 16; ++j) acc[j] += kernels::load(key(j0 + j) + i) * qv;
+        }
+        const kernels::v16 dots = sums16(acc);
+        total += weight[h] * (dots < 0.0f ? (kernels::v16){} : dots);  // std::max(dot, 0) lane by lane
+      }
+      kernels::store(scores + j0, total);
+    }
+  for (long j = j0; j < count; ++j) {
+    float total = 0.0f;
+    for (long h = 0; h < nI; ++h) total += weight[h] * std::max(dot_tree(q + h * dI, key(j), dI), 0.0f);
+    scores[j] = total;
+  }
 }
 
 // o (D) = sum_j weights[j] * rows[j], j in order, 64 dims at a time in registers.
@@ -235,16 +282,48 @@ void rope(float* x, long heads, long D, long R, const float* inv_freq, long pos,
   }
 }
 
-// The k best of `n` candidates (score, entry), ties to the higher entry, best first; fewer than k (or -inf ones)
-// leave invalid places of entry 0: as _top_k over top_k_recent (model.py) picks and orders them.
-void top_k(std::vector<std::pair<float, long>>& cand, long k, long* idx, char* valid) {
-  const long n = std::min<long>(k, cand.size());
-  std::partial_sort(cand.begin(), cand.begin() + n, cand.end(), [](const auto& a, const auto& b) {
-    return a.first > b.first || (a.first == b.first && a.second > b.second);
-  });
+// The largest of the 16 lanes.
+inline float hmax(kernels::v16 v) {
+  float top = v[0];
+  for (int lane = 1; lane < 16; ++lane) top = std::max(top, v[lane]);
+  return top;
+}
+
+// The k best of `n` candidates (scores[i], entry first + i, or entries[i] where given: increasing in i), ties to the
+// higher entry, best first; fewer than k (or -inf ones) leave invalid places of entry 0: as _top_k over
+// top_k_recent (model.py) picks and orders them. The order is strict, so the k and their order are those a full
+// sort gives. The k kept so far are a heap with the worst on top; a run of 16 scores none of which reaches the
+// worst's is passed over at once (past the first few runs, nearly all of them).
+void top_k(const float* scores, const long* entries, long first, long n, long k, long* idx, char* valid) {
+  struct Candidate {
+    float score;
+    long entry;
+  };
+  auto better = [](const Candidate& a, const Candidate& b) {
+    return a.score > b.score || (a.score == b.score && a.entry > b.entry);
+  };
+  auto entry = [&](long i) { return entries ? entries[i] : first + i; };
+  const long kept = std::min(k, n);
+  std::vector<Candidate> best(kept);
+  for (long i = 0; i < kept; ++i) best[i] = {scores[i], entry(i)};
+  if (n > k && k > 0) {
+    std::make_heap(best.begin(), best.end(), better);  // "largest" under `better` on top: the worst kept
+    auto offer = [&](long i) {  // a later candidate of the worst's score has the higher entry: it is better
+      if (!(scores[i] >= best.front().score)) return;
+      std::pop_heap(best.begin(), best.end(), better);
+      best.back() = {scores[i], entry(i)};
+      std::push_heap(best.begin(), best.end(), better);
+    };
+    long i = kept;
+    for (; i + 16 <= n; i += 16)
+      if (hmax(kernels::load(scores + i)) >= best.front().score)
+        for (long j = i; j < i + 16; ++j) offer(j);
+    for (; i < n; ++i) offer(i);
+  }
+  std::sort(best.begin(), best.end(), better);
   for (long j = 0; j < k; ++j) {
-    valid[j] = j < n && cand[j].first > NEG_INF;
-    idx[j] = valid[j] ? cand[j].second : 0;
+    valid[j] = j < kept && best[j].score > NEG_INF;
+    idx[j] = valid[j] ? best[j].entry : 0;
   }
 }
 
@@ -377,42 +456,33 @@ int index(Step& s, const V41Layer* L, const float* xn, const float* q_res) {
     std::vector<float> head_weight(nI);  // w_h / sqrt(nI) / sqrt(dI): what a head's ReLU score is weighted by
     for (long h = 0; h < nI; ++h) head_weight[h] = w[b * nI + h] / std::sqrt(static_cast<float>(nI * dI));
     const float* keys = s.r->keys[b * MAX_STORES + L->read_store];
-    const bool by_four = nI % 4 == 0 && dI % 16 == 0;
-    auto score = [&](long e) {
-      if ((e + 1) * ratio - 1 > pos) return NEG_INF;
-      float total = 0.0f;
-      for (long h = 0; h < nI; h += by_four ? 4 : 1) {
-        if (!by_four) {
-          total += head_weight[h] * std::max(dot_tree(qb + h * dI, keys + e * dI, dI), 0.0f);
-          continue;
-        }
-        const v4 dots = dots4(qb + h * dI, keys + e * dI, dI);
-        for (int j = 0; j < 4; ++j) total += head_weight[h + j] * std::max(dots[j], 0.0f);
-      }
-      return total;
-    };
-    std::vector<std::pair<float, long>> cand;
+    const long seen = std::min(N, (pos + 1) / ratio);  // entries whose group ends at or before this position
+    const long* sel_from = nullptr;  // the scored entries: 0 .. N-1, or the pool's (sel_from)
+    std::vector<long> pooled;
+    std::vector<float> scores;
     if (L->uses_candidates && s.has_pool[b]) {  // only the entries of the pool's blocks, in entry order
       std::vector<long> blocks;
       for (long j = 0; j < P; ++j)
         if (s.pool_valid[b * P + j]) blocks.push_back(s.pool_idx[b * P + j]);
       std::sort(blocks.begin(), blocks.end());
       for (long block : blocks)
-        for (long e = block * bs; e < std::min(N, (block + 1) * bs); ++e) cand.emplace_back(score(e), e);
+        for (long e = block * bs; e < std::min(N, (block + 1) * bs); ++e) pooled.push_back(e);
+      while (!pooled.empty() && pooled.back() >= seen) pooled.pop_back();
+      scores.resize(pooled.size());
+      index_scores(qb, head_weight.data(), nI, dI, keys, pooled.data(), 0, pooled.size(), scores.data());
+      sel_from = pooled.data();
     } else {
-      for (long e = 0; e < N; ++e) cand.emplace_back(score(e), e);
+      scores.assign(N, NEG_INF);
+      index_scores(qb, head_weight.data(), nI, dI, keys, nullptr, 0, seen, scores.data());
       if (L->candidate_source && P) {  // the pool: the blocks of the best entry scores
-        std::vector<std::pair<float, long>> blocks;
-        for (long block = 0; block * bs < N; ++block) {
-          float best = NEG_INF;
-          for (long e = block * bs; e < std::min(N, (block + 1) * bs); ++e) best = std::max(best, cand[e].first);
-          blocks.emplace_back(best, block);
-        }
-        top_k(blocks, P, s.pool_idx.data() + b * P, s.pool_valid.data() + b * P);
+        const long n_blocks = (N + bs - 1) / bs;
+        std::vector<float> block_best(n_blocks, NEG_INF);
+        for (long e = 0; e < N; ++e) block_best[e / bs] = std::max(block_best[e / bs], scores[e]);
+        top_k(block_best.data(), nullptr, 0, n_blocks, P, s.pool_idx.data() + b * P, s.pool_valid.data() + b * P);
         s.has_pool[b] = 1;
       }
     }
-    top_k(cand, K, s.sel_idx.data() + b * K, s.sel_valid.data() + b * K);
+    top_k(scores.data(), sel_from, 0, scores.size(), K, s.sel_idx.data() + b * K, s.sel_valid.data() + b * K);
     s.has_sel[b] = 1;
   });
   return 0;
@@ -457,19 +527,8 @@ int attention_site(Step& s, const V41Layer* L, int layer) {
     const long S = values.size();
     float* qb = q.data() + b * H * D;
     rope(qb, H, D, m->R, m->inv_freq[L->rope], pos, 1.0f);
-    std::vector<float> weights(H * S), dots(H);  // (H, S): each head's scores, then its softmax weights
-    const bool by_four = H % 4 == 0 && D % 16 == 0;
-    for (long j = 0; j < S; ++j) {
-      if (by_four) {  // four heads' trees reduced side by side: dots_of's sums, bit for bit, in fewer adds
-        for (long h0 = 0; h0 < H; h0 += 4) {
-          const v4 four = dots4(qb + h0 * D, values[j], D);
-          for (int k = 0; k < 4; ++k) weights[(h0 + k) * S + j] = four[k] * scale;
-        }
-        continue;
-      }
-      dots_of(qb, H, values[j], D, dots.data());  // every head against the row, read once
-      for (long head = 0; head < H; ++head) weights[head * S + j] = dots[head] * scale;
-    }
+    std::vector<float> weights(H * S);  // (H, S): each head's scores, then its softmax weights
+    for (long head = 0; head < H; ++head) value_dots(qb + head * D, values.data(), S, D, scale, weights.data() + head * S);
     for (long head = 0; head < H; ++head) {  // one softmax over [window | selected entries | sink]
       float* w = weights.data() + head * S;
       const float top = std::max(*std::max_element(w, w + S), L->sink[head]);
