@@ -125,10 +125,8 @@ class V41Engine:
         # One row on one thread: its largest product (the head) is the only one worth sharing, and waking the
         # kernels' second thread for it costs more than it saves (this machine, 2,048-token context, one row a
         # step, 64 steps in turn 8 times: 0.714 ms a step on two threads, 0.643 on one). step_rows shares as before.
-        logits = self.native.step([state], tokens, [adapter])
-        if logits is not None:
-            logits = logits[0]
-        else:
+        logits = self.native.step([state], tokens, [adapter], torch.empty(self.config.vocab_size))
+        if logits is None:
             with self._using(adapter):
                 out = self._shared_stage(state, tokens)
                 hidden = self.model.run_decoder(out, state.length - 1, bound.windows, state.shared.stores)

@@ -47,7 +47,7 @@ class V41Plan:
                        and kernels.available(torch.float32))
         self.stores = {layer: i for i, layer in enumerate(config.kv_source_layer_ids)}
         self._panels: dict[int, list[Tensor]] = {}  # id(module) -> its panels (one per group)
-        self._variant: tuple | None = None  # (key, V41Model, what it points into)
+        self._variant: tuple | None = None  # (key, V41Model, what it points into, each adapter's slot)
         f, long_, bool_, c = torch.float32, torch.long, torch.bool, config
         self.like = {  # (1, 1, ...) of each tail's shape and dtype: what a tail makes room after
             "latent": torch.empty(1, 1, c.head_dim, dtype=f), "key": torch.empty(1, 1, c.index_head_dim, dtype=f),
@@ -69,7 +69,7 @@ class V41Plan:
         key = (names, LoRALinear.changes)
         if self._variant is None or self._variant[0] != key:
             rank = max((adapter.rank for adapter in self.adapter_set.names.values()), default=1)
-            self._variant = (key, *self._build(names, rank))
+            self._variant = (key, *self._build(names, rank), {name: slot for slot, name in enumerate(names)})
         return self._variant[1]
 
     # -- building ---------------------------------------------------------------------------------------------
@@ -165,30 +165,32 @@ class V41Plan:
     def _struct(self) -> kernels.V41Model | None:
         return self.model_struct() if kernels.enabled() else None
 
-    def step(self, states: list[V41ConversationState], tokens: list[int], adapters: list[str | None]) -> Tensor | None:
+    def step(self, states: list[V41ConversationState], tokens: list[int], adapters: list[str | None],
+             logits: Tensor | None = None) -> Tensor | None:
         """Next-token logits (B, V) of `tokens` (one per row, checked by the caller) appended to `states`, each
-        row under its adapter; every row's state advanced as the torch step advances it. None where the kernel
-        cannot take the step (the caller runs the torch path)."""
-        B = len(states)
+        row under its adapter, written into `logits` where given (B * V contiguous floats); every row's state
+        advanced as the torch step advances it. None where the kernel cannot take the step (the caller runs the
+        torch path)."""
         struct = self._struct()  # any number of rows (48 rows of the demo: 13.0 ms a step, the torch pass 48.7)
         if struct is None:
             return None
-        order = tuple(self.adapter_set.names)
-        slots = [-1 if name is None else order.index(name) for name in adapters]
+        B, slot_of = len(states), self._variant[3]
         rows = [self._row_tails(state) for state in states]
-        tails = (ctypes.c_void_p * B)(*(row.address for row in rows))
-        positions = (ctypes.c_long * B)(*(len(state.shared.tokens) for state in states))
-        lora_slots = None if all(slot < 0 for slot in slots) else (ctypes.c_long * B)(*slots)  # None: no LoRA
+        tails = (ctypes.c_void_p * B)(*[row.address for row in rows])
+        positions = (ctypes.c_long * B)(*[len(state.shared.tokens) for state in states])
+        lora_slots = None  # no LoRA on any row
+        if any(name is not None for name in adapters):
+            lora_slots = (ctypes.c_long * B)(*[-1 if name is None else slot_of[name] for name in adapters])
         ids = (ctypes.c_long * B)(*tokens)
-        logits = torch.empty(B, self.config.vocab_size)
-        step = lambda: kernels.library().v41_step_tails(  # noqa: E731
-            B, tails, len(self.stores), self.choices_from, self.n_choices, positions, lora_slots, ctypes.byref(struct),
-            ids, logits.data_ptr())
-        code = step()  # the kernel finds each row's places in its tails, steps, and advances the tails
+        if logits is None:
+            logits = torch.empty(B, self.config.vocab_size)
+        args = (B, tails, len(self.stores), self.choices_from, self.n_choices, positions, lora_slots,
+                ctypes.byref(struct), ids, logits.data_ptr())
+        code = kernels.library().v41_step_tails(*args)  # finds each row's places in its tails, steps, advances them
         if code == TAILS_NEED_ROOM:  # a full tail: every row's full ones move to larger buffers (amortised)
             for row in rows:
                 row.make_room()
-            code = step()
+            code = kernels.library().v41_step_tails(*args)
             if code == TAILS_NEED_ROOM:
                 raise RuntimeError("v41_step_tails found a full tail after make_room (a bug)")
         if code == TAILS_OUT_OF_STEP:
