@@ -69,7 +69,8 @@ class V41Plan:
         key = (names, LoRALinear.changes)
         if self._variant is None or self._variant[0] != key:
             rank = max((adapter.rank for adapter in self.adapter_set.names.values()), default=1)
-            self._variant = (key, *self._build(names, rank), {name: slot for slot, name in enumerate(names)})
+            with torch.no_grad():  # a step may ask for it outside inference mode (V41Engine.step)
+                self._variant = (key, *self._build(names, rank), {name: slot for slot, name in enumerate(names)})
         return self._variant[1]
 
     # -- building ---------------------------------------------------------------------------------------------
@@ -163,7 +164,9 @@ class V41Plan:
     # -- a step ---------------------------------------------------------------------------------------------------
 
     def _struct(self) -> kernels.V41Model | None:
-        return self.model_struct() if kernels.enabled() else None
+        # kernels.usable(), not enabled(): these calls are never inside autograd or a tracer (the engine's verbs
+        # are), and enabled()'s checks cost a decode step ~20 us on the caches a step leaves
+        return self.model_struct() if kernels.usable() else None
 
     def step(self, states: list[V41ConversationState], tokens: list[int], adapters: list[str | None],
              logits: Tensor | None = None) -> Tensor | None:

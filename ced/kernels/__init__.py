@@ -257,11 +257,17 @@ def turned_off():
         _turned_off -= 1
 
 
+def usable() -> bool:
+    """Whether the kernels are built and not turned off: all a caller that is never differentiated nor traced (an
+    engine's call on a conversation's buffers in place) needs to know."""
+    return not _turned_off and library() is not None
+
+
 def enabled() -> bool:
-    """Whether the kernels may run now: built, not turned off, and neither gradients (the kernels have no
+    """Whether the kernels may run now inside a model's forward: usable, and neither gradients (the kernels have no
     backward) nor a tracer or compiler watching (they see torch operations only)."""
-    return (not _turned_off and library() is not None and not torch.is_grad_enabled()
-            and not torch.jit.is_tracing() and not torch.compiler.is_compiling() and not torch.onnx.is_in_onnx_export())
+    return (usable() and not torch.is_grad_enabled() and not torch.jit.is_tracing() and not torch.compiler.is_compiling()
+            and not torch.onnx.is_in_onnx_export())
 
 
 def takes(x: Tensor) -> bool:

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -292,8 +293,9 @@ inline float hmax(kernels::v16 v) {
 // The k best of `n` candidates (scores[i], entry first + i, or entries[i] where given: increasing in i), ties to the
 // higher entry, best first; fewer than k (or -inf ones) leave invalid places of entry 0: as _top_k over
 // top_k_recent (model.py) picks and orders them. The order is strict, so the k and their order are those a full
-// sort gives. The k kept so far are a heap with the worst on top; a run of 16 scores none of which reaches the
-// worst's is passed over at once (past the first few runs, nearly all of them).
+// sort gives. Where there are at least k runs of 16, the k-th best of the runs' maxima bounds the k best from below
+// (k runs each hold one score that high), so only the scores that reach it are sorted: a few more than k, whatever
+// the order of the scores. Otherwise the k kept so far are a heap with the worst on top.
 void top_k(const float* scores, const long* entries, long first, long n, long k, long* idx, char* valid) {
   struct Candidate {
     float score;
@@ -303,26 +305,37 @@ void top_k(const float* scores, const long* entries, long first, long n, long k,
     return a.score > b.score || (a.score == b.score && a.entry > b.entry);
   };
   auto entry = [&](long i) { return entries ? entries[i] : first + i; };
-  const long kept = std::min(k, n);
-  std::vector<Candidate> best(kept);
-  for (long i = 0; i < kept; ++i) best[i] = {scores[i], entry(i)};
-  if (n > k && k > 0) {
+  std::vector<Candidate> best;
+  const long runs = n / 16;
+  if (k > 0 && runs >= k) {
+    std::vector<float> maxima(runs);
+    for (long r = 0; r < runs; ++r) maxima[r] = hmax(kernels::load(scores + 16 * r));
+    std::vector<float> ranked(maxima);
+    std::nth_element(ranked.begin(), ranked.begin() + (k - 1), ranked.end(), std::greater<float>());
+    const float bound = ranked[k - 1];
+    for (long r = 0; r < runs; ++r)
+      if (maxima[r] >= bound)
+        for (long i = 16 * r; i < 16 * r + 16; ++i)
+          if (scores[i] >= bound) best.push_back({scores[i], entry(i)});
+    for (long i = 16 * runs; i < n; ++i)
+      if (scores[i] >= bound) best.push_back({scores[i], entry(i)});
+    std::partial_sort(best.begin(), best.begin() + k, best.end(), better);
+    best.resize(k);
+  } else {
+    const long kept = std::min(k, n);
+    best.resize(kept);
+    for (long i = 0; i < kept; ++i) best[i] = {scores[i], entry(i)};
     std::make_heap(best.begin(), best.end(), better);  // "largest" under `better` on top: the worst kept
-    auto offer = [&](long i) {  // a later candidate of the worst's score has the higher entry: it is better
-      if (!(scores[i] >= best.front().score)) return;
-      std::pop_heap(best.begin(), best.end(), better);
-      best.back() = {scores[i], entry(i)};
-      std::push_heap(best.begin(), best.end(), better);
-    };
-    long i = kept;
-    for (; i + 16 <= n; i += 16)
-      if (hmax(kernels::load(scores + i)) >= best.front().score)
-        for (long j = i; j < i + 16; ++j) offer(j);
-    for (; i < n; ++i) offer(i);
+    for (long i = kept; i < n && kept > 0; ++i)
+      if (scores[i] >= best.front().score) {  // a later candidate of the worst's score has the higher entry
+        std::pop_heap(best.begin(), best.end(), better);
+        best.back() = {scores[i], entry(i)};
+        std::push_heap(best.begin(), best.end(), better);
+      }
+    std::sort(best.begin(), best.end(), better);
   }
-  std::sort(best.begin(), best.end(), better);
   for (long j = 0; j < k; ++j) {
-    valid[j] = j < kept && best[j].score > NEG_INF;
+    valid[j] = j < static_cast<long>(best.size()) && best[j].score > NEG_INF;
     idx[j] = valid[j] ? best[j].entry : 0;
   }
 }
