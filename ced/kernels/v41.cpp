@@ -534,6 +534,7 @@ int attention_site(Step& s, const V41Layer* L, int layer) {
     // K = V: the window's latents within distance W - 1 (a chunk's rows may hold older ones: left out, so a row
     // sums the same terms in the same order whatever its tail holds), then the selected entries
     std::vector<const float*> values;
+    values.reserve(m->window + K);
     for (long j = std::max(0L, held - m->window + 1); j <= held; ++j) values.push_back(keys + j * D);
     for (long j = 0; j < K; ++j)
       if (global && s.sel_valid[b * K + j]) values.push_back(latents + s.sel_idx[b * K + j] * D);
@@ -606,38 +607,38 @@ int ffn_site(Step& s, const V41Layer* L) {
     }
   }
   // Each chosen expert once, over the rows that chose it, and the shared expert over every row: one task each, on
-  // both threads (each into buffers of its own), then added to each row in expert order, the shared one last.
-  std::vector<std::vector<long>> rows(E), places(E), slots(E);
-  for (int b = 0; b < B; ++b)
-    for (long j = 0; j < k; ++j) {
-      const long e = ids[b * k + j];
-      rows[e].push_back(b), places[e].push_back(b * k + j);
-      slots[e].push_back(s.r->lora_slots ? s.r->lora_slots[b] : -1);
-    }
-  std::vector<std::vector<float>> outputs(E + 1);
+  // both threads (each into a part of `outputs` of its own), then added to each row in expert order, the shared one
+  // last. The B * k choices sorted by expert (a counting sort: rows in order within an expert) lay out each
+  // expert's rows, inputs and outputs side by side, so a step allocates a few buffers, not a few per expert.
+  std::vector<long> start(E + 1, 0), chosen(B * k), slots(B * k);
+  for (long i = 0; i < B * k; ++i) ++start[ids[i] + 1];
+  for (long e = 0; e < E; ++e) start[e + 1] += start[e];
+  std::vector<long> fill(start.begin(), start.end() - 1);
+  for (long i = 0; i < B * k; ++i) chosen[fill[ids[i]]++] = i;  // choice i = b * k + j: row b's j-th
+  std::vector<float> x(B * k * C), outputs(B * k * C + B * C);  // the shared expert's after the routed ones'
+  float* shared_out = outputs.data() + B * k * C;
   std::atomic<int> failed{0};
   kernels::parallel_for(E + 1, B > 1, [&](long task) {  // task 0: the shared expert (the largest, claimed first)
     if (task == 0) {
-      if (!L->shared) return;
-      outputs[E].resize(B * C);
-      if (expert(L->shared, xn.data(), B, s.r->lora_slots, 0.0f, outputs[E].data())) failed = 1;
+      if (L->shared && expert(L->shared, xn.data(), B, s.r->lora_slots, 0.0f, shared_out)) failed = 1;
       return;
     }
-    const long e = task - 1, M = rows[e].size();
+    const long e = task - 1, from = start[e], M = start[e + 1] - from;
     if (M == 0) return;
-    std::vector<float> x(M * C);
-    for (long i = 0; i < M; ++i) std::memcpy(x.data() + i * C, xn.data() + rows[e][i] * C, C * sizeof(float));
-    outputs[e].resize(M * C);
-    if (expert(L->experts + 3 * e, x.data(), M, s.r->lora_slots ? slots[e].data() : nullptr, m->swiglu_limit,
-               outputs[e].data()))
+    for (long r = from; r < from + M; ++r) {
+      const long b = chosen[r] / k;
+      std::memcpy(x.data() + r * C, xn.data() + b * C, C * sizeof(float));
+      slots[r] = s.r->lora_slots ? s.r->lora_slots[b] : -1;
+    }
+    if (expert(L->experts + 3 * e, x.data() + from * C, M, s.r->lora_slots ? slots.data() + from : nullptr,
+               m->swiglu_limit, outputs.data() + from * C))
       failed = 1;
   });
   if (failed) return -1;
-  for (long e = 0; e < E; ++e)
-    for (size_t i = 0; i < rows[e].size(); ++i)
-      for (long c = 0; c < C; ++c) routed[rows[e][i] * C + c] += outputs[e][i * C + c] * weights[places[e][i]];
+  for (long r = 0; r < B * k; ++r)  // expert by expert, rows in order within one
+    for (long c = 0; c < C; ++c) routed[chosen[r] / k * C + c] += outputs[r * C + c] * weights[chosen[r]];
   if (L->shared)
-    for (long i = 0; i < B * C; ++i) routed[i] += outputs[E][i];
+    for (long i = 0; i < B * C; ++i) routed[i] += shared_out[i];
   kernels::parallel_for(B, B > 1, [&](long b) {
     hc_site(m, L->hc_ffn_fn, L->hc_ffn_base, L->hc_ffn_scale, s.x.data() + b * n * C, routed.data() + b * C,
             s.pre.data() + b * n);
