@@ -11,7 +11,8 @@ Each repeat times every engine in turn on the same work, so drift of the machine
 
 - prefill: a fresh conversation's `--context` tokens through the adapter-free stage (chunks of 256);
 - replay:  a switch at that context: the last W positions through the decoder under the adapter;
-- decode:  `--decode` greedy steps after the replay (each step runs both stages for one token).
+- decode:  `--decode` greedy steps after the replay (each step runs both stages for one token; its token is the
+           logits' argmax as the server's scheduler picks it, kernels.argmax_rows, for every engine).
 
 The `floor` row is the time one thread takes to read the bytes a decode step must read (every weight once, the
 tied embedding as the head; of a MoE's routed experts only the share a token uses, top-k of n; 2 bytes a weight
@@ -150,7 +151,7 @@ def run_phases(engine, history: list[int], adapter: str, n_decode: int) -> dict[
     def decode():
         current = logits
         for _ in range(n_decode):
-            current = engine.step(state, int(current.argmax()), adapter)
+            current = engine.step(state, kernels.argmax_rows(current)[0], adapter)
 
     decode_s = timed(decode)
     return {"prefill": (len(history), prefill_s), "replay": (replayed, replay_s), "decode": (n_decode, decode_s)}

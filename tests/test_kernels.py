@@ -127,6 +127,24 @@ def test_attend_one_masks_the_window_and_the_invalid_entries_as_torch_does():
     torch.testing.assert_close(got, expected.transpose(1, 2).reshape(B, 1, H * D), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 8192, 8195])
+def test_argmax_rows_picks_what_torch_argmax_picks(width):
+    rows = torch.randn(9, width)
+    rows[1] = 0.5  # every value equal: the first
+    rows[2, width // 2:] = rows[2].max() + 1  # equal maxima, the first of them
+    rows[3, -1] = float("inf")
+    rows[4, width // 3] = float("nan")  # a NaN wins wherever it lies
+    rows[5, -1] = float("nan")
+    rows[6] = float("-inf")
+    rows[7, :] = float("nan")
+    assert kernels.argmax_rows(rows) == rows.argmax(dim=1).tolist()
+    assert kernels.argmax_rows(rows[4]) == [int(rows[4].argmax())]  # one row (V,)
+    strided = torch.randn(width, 9).t()  # not contiguous: torch's path
+    assert kernels.argmax_rows(strided) == strided.argmax(dim=1).tolist()
+    with kernels.turned_off():  # torch's own, where the kernels are off
+        assert kernels.argmax_rows(rows) == rows.argmax(dim=1).tolist()
+
+
 def test_the_kernels_stay_off_where_gradients_or_chunks_flow():
     x = torch.randn(2, 1, 8)
     assert not kernels.takes(x)  # grad mode: the kernels have no backward

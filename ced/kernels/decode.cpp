@@ -280,6 +280,35 @@ int linear(const Linear* L, const float* x, long ldx, int M, const long* slots, 
   return 0;
 }
 
+// Each row's argmax: out[r] = the first index of the largest of x[r, :n], or of the first NaN where the row has
+// one (torch.argmax's answer); a greedy turn's next token. 16 lanes at a time: the row's largest (any NaN seen
+// on the way), then where it first lies.
+void argmax_rows(const float* x, long rows, long n, long* out) {
+  for (long r = 0; r < rows; ++r) {
+    const float* row = x + r * n;
+    long i = 0, found = -1;
+    float top = n > 0 ? row[0] : 0.0f;
+    if (n >= 16) {
+      v16 best = load(row), nan = best != best ? (v16){} + 1.0f : (v16){};
+      for (i = 16; i + 16 <= n; i += 16) {
+        const v16 v = load(row + i);
+        best = v > best ? v : best;
+        nan += v != v ? (v16){} + 1.0f : (v16){};
+      }
+      bool any_nan = false;
+      for (int lane = 0; lane < 16; ++lane) {
+        top = std::max(top, best[lane]);
+        any_nan |= nan[lane] != 0.0f;
+      }
+      if (any_nan) top = NAN;
+    }
+    for (; i < n; ++i) top = row[i] != row[i] || top != top ? NAN : std::max(top, row[i]);
+    for (long j = 0; j < n && found < 0; ++j)
+      if (top != top ? row[j] != row[j] : row[j] == top) found = j;
+    out[r] = found < 0 ? 0 : found;
+  }
+}
+
 // RMSNorm of M rows of C: y = (x / sqrt(mean(x^2) + eps)) * w.
 void rms_norm(const float* x, int M, long C, const float* w, float eps, float* y) {
   for (int m = 0; m < M; ++m, x += C, y += C) {

@@ -40,6 +40,7 @@ from typing import Callable, Protocol
 import torch
 from torch import Tensor
 
+from ced import kernels
 from ced.batched import BatchedEngine
 from ced.engine import SamplingParams, TokenLogprobs, sample, sample_with_logprobs
 from ced.paged import Resident
@@ -429,7 +430,7 @@ class Scheduler:
         logits = self.engine.step([t.row for t in rows], [t.next_token for t in rows], [t.adapter for t in rows])
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(rows)
-        most_likely = logits.argmax(dim=1).tolist()  # one call for every greedy row (one a row: 20 us each)
+        most_likely = kernels.argmax_rows(logits)  # one call for every greedy row
         for turn, row_logits, best in zip(rows, logits, most_likely):
             if turn.last:
                 self._finish(turn)
