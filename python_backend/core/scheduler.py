@@ -431,15 +431,16 @@ class Scheduler:
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(rows)
         most_likely = kernels.argmax_rows(logits)  # one call for every greedy row
-        for turn, row_logits, best in zip(rows, logits, most_likely):
+        for i, (turn, best) in enumerate(zip(rows, most_likely)):
             if turn.last:
                 self._finish(turn)
-            else:
-                self._next(turn, row_logits, best)
+            else:  # a plain greedy turn's token is its argmax: no view of its row (a torch call each) is made
+                self._next(turn, None if turn.sampling.plain_greedy else logits[i], best)
 
-    def _next(self, turn: Turn, logits: Tensor, most_likely: int | None = None) -> None:
+    def _next(self, turn: Turn, logits: Tensor | None, most_likely: int | None = None) -> None:
         """Sample the turn's next token and send it; it is appended by the next step (as CEDEngine.generate).
-        `most_likely`: the logits' argmax where the caller has it, the token of a plain greedy turn."""
+        `most_likely`: the logits' argmax where the caller has it, the token of a plain greedy turn (whose
+        `logits` may then be None)."""
         if len(turn.generated) >= turn.max_tokens or turn.row.length >= self.engine.config.max_context:
             turn.finish_reason = "length"
             self._finish(turn)
