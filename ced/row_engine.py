@@ -94,6 +94,8 @@ class RowEngine:
         step_rows = getattr(self.engine, "step_rows", None)  # one pass over the batch, where the engine has it
         if step_rows is not None and len(rows) > 1:
             return step_rows([row.state for row in rows], tokens, adapters)
+        if len(rows) == 1:  # a view, not a copy
+            return self.engine.step(rows[0].state, tokens[0], adapters[0])[None]
         return torch.stack([self.engine.step(row.state, token, adapter)
                             for row, token, adapter in zip(rows, tokens, adapters)])
 

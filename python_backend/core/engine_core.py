@@ -25,6 +25,7 @@ import errno
 import json
 import logging
 import os
+import pickle
 import sys
 import threading
 import traceback
@@ -65,8 +66,8 @@ class Outbox:
             if not self._events:
                 return
             events, self._events = self._events, []
-            try:
-                self.connection.send(events)
+            try:  # pickle's own: Connection.send's ForkingPickler copies its reducer tables on every message
+                self.connection.send_bytes(pickle.dumps(events, protocol=pickle.HIGHEST_PROTOCOL))
             except OSError:  # the stub is gone: the main thread sees its pipe close and ends the process
                 pass
 
