@@ -327,8 +327,8 @@ def argmax_rows(logits: Tensor) -> list[int]:
     """Each row's argmax of logits (B, V) (or of one row (V,)), as torch.argmax picks it (the first of equals; a
     NaN wins): one pass 16 lanes at a time where the kernels are usable (torch's argmax over the demo's 8,192
     logits costs a decode step ~20 us, ~25 on the caches a step leaves; a 16-row step ~120 us), torch's otherwise."""
-    if not (usable() and logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.dim() in (1, 2)
-            and logits.is_contiguous()):
+    if not (logits.is_contiguous() and logits.dtype is torch.float32 and logits.is_cpu and logits.dim() in (1, 2)
+            and usable()):  # the cheapest checks first: a greedy step runs this on the caches a step leaves
         return logits.argmax(dim=-1).reshape(-1).tolist()
     B = logits.shape[0] if logits.dim() == 2 else 1
     rows = (ctypes.c_long * B)()
