@@ -137,6 +137,7 @@ def test_argmax_rows_picks_what_torch_argmax_picks(width):
     rows[5, -1] = float("nan")
     rows[6] = float("-inf")
     rows[7, :] = float("nan")
+    rows[8, [min(2, width - 1), width - 1]] = 99.0  # equal maxima in different lanes and runs: the first
     assert kernels.argmax_rows(rows) == rows.argmax(dim=1).tolist()
     assert kernels.argmax_rows(rows[4]) == [int(rows[4].argmax())]  # one row (V,)
     strided = torch.randn(width, 9).t()  # not contiguous: torch's path

@@ -191,12 +191,12 @@ void value_dots(const float* q, const float* const* rows, long count, long n, fl
 }
 
 // The indexer's ReLU-weighted scores of `count` keys (rows of dI: keys + entry * dI, entry = entries[j] where given,
-// else first + j) against nI heads' queries q (nI, dI): sum_h weight[h] * max(q_h . key, 0), heads in order, each
+// else j) against nI heads' queries q (nI, dI): sum_h weight[h] * max(q_h . key, 0), heads in order, each
 // dot as dot_tree sums it. 16 keys at a time where dI is a multiple of 16: their 16 dots of a head reduced side by
 // side (sums16).
 void index_scores(const float* q, const float* weight, long nI, long dI, const float* keys, const long* entries,
-                  long first, long count, float* scores) {
-  auto key = [&](long j) { return keys + (entries ? entries[j] : first + j) * dI; };
+                  long count, float* scores) {
+  auto key = [&](long j) { return keys + (entries ? entries[j] : j) * dI; };
   long j0 = 0;
   if (dI % 16 == 0)
     for (; j0 + 16 <= count; j0 += 16) {
@@ -290,13 +290,13 @@ inline float hmax(kernels::v16 v) {
   return top;
 }
 
-// The k best of `n` candidates (scores[i], entry first + i, or entries[i] where given: increasing in i), ties to the
+// The k best of `n` candidates (scores[i], entry i, or entries[i] where given: increasing in i), ties to the
 // higher entry, best first; fewer than k (or -inf ones) leave invalid places of entry 0: as _top_k over
 // top_k_recent (model.py) picks and orders them. The order is strict, so the k and their order are those a full
 // sort gives. Where there are at least k runs of 16, the k-th best of the runs' maxima bounds the k best from below
 // (k runs each hold one score that high), so only the scores that reach it are sorted: a few more than k, whatever
 // the order of the scores. Otherwise the k kept so far are a heap with the worst on top.
-void top_k(const float* scores, const long* entries, long first, long n, long k, long* idx, char* valid) {
+void top_k(const float* scores, const long* entries, long n, long k, long* idx, char* valid) {
   struct Candidate {
     float score;
     long entry;
@@ -304,7 +304,7 @@ void top_k(const float* scores, const long* entries, long first, long n, long k,
   auto better = [](const Candidate& a, const Candidate& b) {
     return a.score > b.score || (a.score == b.score && a.entry > b.entry);
   };
-  auto entry = [&](long i) { return entries ? entries[i] : first + i; };
+  auto entry = [&](long i) { return entries ? entries[i] : i; };
   std::vector<Candidate> best;
   const long runs = n / 16;
   if (k > 0 && runs >= k) {
@@ -482,20 +482,20 @@ int index(Step& s, const V41Layer* L, const float* xn, const float* q_res) {
         for (long e = block * bs; e < std::min(N, (block + 1) * bs); ++e) pooled.push_back(e);
       while (!pooled.empty() && pooled.back() >= seen) pooled.pop_back();
       scores.resize(pooled.size());
-      index_scores(qb, head_weight.data(), nI, dI, keys, pooled.data(), 0, pooled.size(), scores.data());
+      index_scores(qb, head_weight.data(), nI, dI, keys, pooled.data(), pooled.size(), scores.data());
       sel_from = pooled.data();
     } else {
       scores.assign(N, NEG_INF);
-      index_scores(qb, head_weight.data(), nI, dI, keys, nullptr, 0, seen, scores.data());
+      index_scores(qb, head_weight.data(), nI, dI, keys, nullptr, seen, scores.data());
       if (L->candidate_source && P) {  // the pool: the blocks of the best entry scores
         const long n_blocks = (N + bs - 1) / bs;
         std::vector<float> block_best(n_blocks, NEG_INF);
         for (long e = 0; e < N; ++e) block_best[e / bs] = std::max(block_best[e / bs], scores[e]);
-        top_k(block_best.data(), nullptr, 0, n_blocks, P, s.pool_idx.data() + b * P, s.pool_valid.data() + b * P);
+        top_k(block_best.data(), nullptr, n_blocks, P, s.pool_idx.data() + b * P, s.pool_valid.data() + b * P);
         s.has_pool[b] = 1;
       }
     }
-    top_k(scores.data(), sel_from, 0, scores.size(), K, s.sel_idx.data() + b * K, s.sel_valid.data() + b * K);
+    top_k(scores.data(), sel_from, scores.size(), K, s.sel_idx.data() + b * K, s.sel_valid.data() + b * K);
     s.has_sel[b] = 1;
   });
   return 0;
