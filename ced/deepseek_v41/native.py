@@ -364,8 +364,8 @@ class RowTails:
 
 
 class RowPlaces:
-    """The addresses and counts a prefill chunk's or a replay's V41Rows points at, by field name (each a flat list: (B, L) windows,
-    (B, MAX_STORES) stores, (B) replay tails; 0 where a row has nothing there)."""
+    """The addresses and counts a prefill chunk's or a replay's V41Rows points at, by field name (each a flat list:
+    (B, L) windows, (B, MAX_STORES) stores, (B) replay tails; 0 where a row has nothing there)."""
 
     def __init__(self, B: int, L: int):
         self.L, S = L, kernels.MAX_STORES

@@ -267,8 +267,8 @@ def usable() -> bool:
 def enabled() -> bool:
     """Whether the kernels may run now inside a model's forward: usable, and neither gradients (the kernels have no
     backward) nor a tracer or compiler watching (they see torch operations only)."""
-    return (usable() and not torch.is_grad_enabled() and not torch.jit.is_tracing() and not torch.compiler.is_compiling()
-            and not torch.onnx.is_in_onnx_export())
+    return (usable() and not torch.is_grad_enabled() and not torch.jit.is_tracing()
+            and not torch.compiler.is_compiling() and not torch.onnx.is_in_onnx_export())
 
 
 def takes(x: Tensor) -> bool:

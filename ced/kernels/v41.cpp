@@ -542,7 +542,8 @@ int attention_site(Step& s, const V41Layer* L, int layer) {
     float* qb = q.data() + b * H * D;
     rope(qb, H, D, m->R, m->inv_freq[L->rope], pos, 1.0f);
     std::vector<float> weights(H * S);  // (H, S): each head's scores, then its softmax weights
-    for (long head = 0; head < H; ++head) value_dots(qb + head * D, values.data(), S, D, scale, weights.data() + head * S);
+    for (long head = 0; head < H; ++head)
+      value_dots(qb + head * D, values.data(), S, D, scale, weights.data() + head * S);
     for (long head = 0; head < H; ++head) {  // one softmax over [window | selected entries | sink]
       float* w = weights.data() + head * S;
       const float top = std::max(*std::max_element(w, w + S), L->sink[head]);
