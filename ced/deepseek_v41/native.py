@@ -47,7 +47,7 @@ class V41Plan:
                        and kernels.available(torch.float32))
         self.stores = {layer: i for i, layer in enumerate(config.kv_source_layer_ids)}
         self._panels: dict[int, list[Tensor]] = {}  # id(module) -> its panels (one per group)
-        self._variant: tuple | None = None  # (key, V41Model, what it points into, each adapter's slot)
+        self._variant: tuple | None = None  # (key, V41Model, what it points into, each adapter's slot, byref(V41Model))
         f, long_, bool_, c = torch.float32, torch.long, torch.bool, config
         self.like = {  # (1, 1, ...) of each tail's shape and dtype: what a tail makes room after
             "latent": torch.empty(1, 1, c.head_dim, dtype=f), "key": torch.empty(1, 1, c.index_head_dim, dtype=f),
@@ -70,7 +70,9 @@ class V41Plan:
         if self._variant is None or self._variant[0] != key:
             rank = max((adapter.rank for adapter in self.adapter_set.names.values()), default=1)
             with torch.no_grad():  # a step may ask for it outside inference mode (V41Engine.step)
-                self._variant = (key, *self._build(names, rank), {name: slot for slot, name in enumerate(names)})
+                struct, keep = self._build(names, rank)
+                self._variant = (key, struct, keep, {name: slot for slot, name in enumerate(names)},
+                                 ctypes.byref(struct))
         return self._variant[1]
 
     # -- building ---------------------------------------------------------------------------------------------
@@ -179,16 +181,22 @@ class V41Plan:
             return None
         B, slot_of = len(states), self._variant[3]
         rows = [self._row_tails(state) for state in states]
-        tails = (ctypes.c_void_p * B)(*[row.address for row in rows])
-        positions = (ctypes.c_long * B)(*[len(state.shared.tokens) for state in states])
-        lora_slots = None  # no LoRA on any row
-        if any(name is not None for name in adapters):
-            lora_slots = (ctypes.c_long * B)(*[-1 if name is None else slot_of[name] for name in adapters])
-        ids = (ctypes.c_long * B)(*tokens)
         if logits is None:
             logits = torch.empty(B, self.config.vocab_size)
-        args = (B, tails, len(self.stores), self.choices_from, self.n_choices, positions, lora_slots,
-                ctypes.byref(struct), ids, logits.data_ptr())
+        if B == 1:  # a lone row's arrays are kept on its RowTails: on the caches a step leaves, each new one costs
+            row, name = rows[0], adapters[0]
+            row.position[0], row.token[0], row.slot[0] = len(states[0].shared.tokens), tokens[0], \
+                -1 if name is None else slot_of[name]
+            args = (1, row.one, len(self.stores), self.choices_from, self.n_choices, row.position,
+                    None if name is None else row.slot, self._variant[4], row.token, logits.data_ptr())
+        else:
+            tails = (ctypes.c_void_p * B)(*[row.address for row in rows])
+            positions = (ctypes.c_long * B)(*[len(state.shared.tokens) for state in states])
+            lora_slots = None  # no LoRA on any row
+            if any(name is not None for name in adapters):
+                lora_slots = (ctypes.c_long * B)(*[-1 if name is None else slot_of[name] for name in adapters])
+            args = (B, tails, len(self.stores), self.choices_from, self.n_choices, positions, lora_slots,
+                    self._variant[4], (ctypes.c_long * B)(*tokens), logits.data_ptr())
         code = kernels.library().v41_step_tails(*args)  # finds each row's places in its tails, steps, advances them
         if code == TAILS_NEED_ROOM:  # a full tail: every row's full ones move to larger buffers (amortised)
             for row in rows:
@@ -352,6 +360,9 @@ class RowTails:
         self.tails = tails
         self._metas = (ctypes.POINTER(kernels.TailMeta) * len(tails))(*(ctypes.pointer(t.meta) for t, _ in tails))
         self.address = ctypes.addressof(self._metas)
+        # a step of this row alone: its arguments, rewritten in place (V41Plan.step)
+        self.one = (ctypes.c_void_p * 1)(self.address)
+        self.position, self.token, self.slot = (ctypes.c_long * 1)(), (ctypes.c_long * 1)(), (ctypes.c_long * 1)()
 
     def __deepcopy__(self, memo: dict) -> None:
         return None  # a copy of the state builds its own (these point at the original's tails)

@@ -331,6 +331,10 @@ def argmax_rows(logits: Tensor) -> list[int]:
             and usable()):  # the cheapest checks first: a greedy step runs this on the caches a step leaves
         return logits.argmax(dim=-1).reshape(-1).tolist()
     B = logits.shape[0] if logits.dim() == 2 else 1
+    if B == 1:  # a lone row's pick in a scalar: an array type per call costs it ~5 us on those caches
+        pick = ctypes.c_long()
+        _LIB.argmax_rows(logits.data_ptr(), 1, logits.shape[-1], ctypes.byref(pick))
+        return [pick.value]
     rows = (ctypes.c_long * B)()
     _LIB.argmax_rows(logits.data_ptr(), B, logits.shape[-1], rows)
     return rows[:]

@@ -19,8 +19,10 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <thread>
 #include <vector>
 
@@ -65,6 +67,8 @@ inline float weight(kernels::bf16 w) {
   return value;
 }
 
+constexpr long PREFETCH_INPUTS = 16;
+
 // Rows [0, MR) of x against one panel of 16*NV columns starting at column o0.
 template <int MR, int NV, class W>
 void tile(const float* x, long ldx, const W* panel, long in, long o0, float* y, long ldy, bool accumulate) {
@@ -73,6 +77,7 @@ void tile(const float* x, long ldx, const W* panel, long in, long o0, float* y, 
     for (int v = 0; v < NV; ++v) acc[m][v] = accumulate ? load(y + m * ldy + o0 + 16 * v) : (v16){};
   const W* w = panel;
   for (long i = 0; i < in; ++i, w += 16 * NV) {
+    if (MR == 1) __builtin_prefetch(w + 16 * NV * PREFETCH_INPUTS);
     v16 wv[NV];
     load_weights<NV>(w, wv);
     for (int m = 0; m < MR; ++m) {
@@ -209,6 +214,48 @@ void gemm_split(const float* x, long ldx, int M, const W* packed, long in, long 
 
 void kernels::parallel_parts(long n, bool worth_it, void (*run)(void*, long), void* f) {
   parallel(n, worth_it, [&](long i) { run(f, i); });
+}
+
+namespace {
+
+// Each thread's arena for kernels::scratch (kernels.h): 4 MB, taken when the thread first needs it.
+struct Arena {
+  static constexpr std::size_t SIZE = std::size_t(4) << 20, ALIGN = 64;
+  char* base = nullptr;
+  std::size_t top = 0;  // bytes in use from base (blocks freed below the top wait until nothing lives)
+  long live = 0;        // blocks handed out and not yet freed
+  ~Arena() { std::free(base); }
+};
+// initial-exec: its address without a call to __tls_get_addr (a few of those a buffer cost the step ~1 %)
+__attribute__((tls_model("initial-exec"))) thread_local Arena arena;
+
+}  // namespace
+
+void* kernels::scratch_alloc(std::size_t bytes) {
+  const std::size_t size = (bytes + Arena::ALIGN - 1) / Arena::ALIGN * Arena::ALIGN;
+  if (!arena.base) arena.base = static_cast<char*>(std::aligned_alloc(Arena::ALIGN, Arena::SIZE));
+  if (!arena.base || size > Arena::SIZE - arena.top) {
+    void* block = std::malloc(bytes ? bytes : 1);
+    if (!block) throw std::bad_alloc();
+    return block;
+  }
+  char* block = arena.base + arena.top;
+  arena.top += size;
+  ++arena.live;
+  return block;
+}
+
+void kernels::scratch_free(void* p, std::size_t bytes) {
+  char* block = static_cast<char*>(p);
+  if (!arena.base || block < arena.base || block >= arena.base + Arena::SIZE) {
+    std::free(p);
+    return;
+  }
+  const std::size_t size = (bytes + Arena::ALIGN - 1) / Arena::ALIGN * Arena::ALIGN;
+  if (--arena.live == 0)
+    arena.top = 0;
+  else if (block + size == arena.base + arena.top)
+    arena.top -= size;
 }
 
 extern "C" {

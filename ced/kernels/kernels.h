@@ -4,7 +4,9 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 #include <cstring>
+#include <vector>
 
 // A linear of the model: its packed weight (float32, or bfloat16 where `bf16`) and, where it has LoRA slots, the
 // slots' packed A (in, rank) and B (rank, out), a_stride / b_stride floats apart (a == nullptr: none). Mirrored by
@@ -99,6 +101,28 @@ inline void swiglu(float* g, const float* u, long n, float limit) {
     std::memcpy(g + i, &out, (n - i) * sizeof(float));
   }
 }
+
+// A call's temporaries from a per-thread arena (decode.cpp): a deepseek_v41 decode step makes ~400 small buffers,
+// and malloc and free cost it ~20 us on the caches its weights leave. Blocks are bumped off the arena's top; a
+// freed block that is the top gives its bytes back at once (a step's buffers die in reverse order), and the whole
+// arena is free again once nothing in it lives. A block that does not fit comes from malloc.
+void* scratch_alloc(std::size_t bytes);
+void scratch_free(void* p, std::size_t bytes);
+
+template <class T>
+struct ScratchAllocator {
+  typedef T value_type;
+  ScratchAllocator() = default;
+  template <class U>
+  ScratchAllocator(const ScratchAllocator<U>&) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(scratch_alloc(n * sizeof(T))); }
+  void deallocate(T* p, std::size_t n) { scratch_free(p, n * sizeof(T)); }
+  template <class U>
+  bool operator==(const ScratchAllocator<U>&) const { return true; }
+};
+
+template <class T>
+using scratch = std::vector<T, ScratchAllocator<T>>;
 
 // run(f, i) for i in [0, n), parts claimed by this thread and the worker where `worth_it` (decode.cpp's parallel).
 void parallel_parts(long n, bool worth_it, void (*run)(void*, long), void* f);

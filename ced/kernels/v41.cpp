@@ -89,6 +89,8 @@ struct V41Rows {
 
 }  // extern "C"
 
+using kernels::scratch;  // a call's temporaries (kernels.h)
+
 namespace {
 
 constexpr float NEG_INF = -INFINITY;
@@ -180,6 +182,8 @@ void value_dots(const float* q, const float* const* rows, long count, long n, fl
   long j0 = 0;
   if (n % 16 == 0)
     for (; j0 + 16 <= count; j0 += 16) {
+      for (long j = j0 + 16; j < std::min(count, j0 + 32); ++j)  // the next 16 rows (selected ones lie anywhere)
+        for (long i = 0; i < n; i += 16) __builtin_prefetch(rows[j] + i);
       kernels::v16 acc[16] = {};
       for (long i = 0; i < n; i += 16) {
         const kernels::v16 qv = kernels::load(q + i);
@@ -200,6 +204,8 @@ void index_scores(const float* q, const float* weight, long nI, long dI, const f
   long j0 = 0;
   if (dI % 16 == 0)
     for (; j0 + 16 <= count; j0 += 16) {
+      for (long j = j0 + 16; j < std::min(count, j0 + 32); ++j)  // the next 16 keys
+        for (long i = 0; i < dI; i += 16) __builtin_prefetch(key(j) + i);
       kernels::v16 total = {};
       for (long h = 0; h < nI; ++h) {
         kernels::v16 acc[16] = {};
@@ -305,12 +311,12 @@ void top_k(const float* scores, const long* entries, long n, long k, long* idx, 
     return a.score > b.score || (a.score == b.score && a.entry > b.entry);
   };
   auto entry = [&](long i) { return entries ? entries[i] : i; };
-  std::vector<Candidate> best;
+  scratch<Candidate> best;
   const long runs = n / 16;
   if (k > 0 && runs >= k) {
-    std::vector<float> maxima(runs);
+    scratch<float> maxima(runs);
     for (long r = 0; r < runs; ++r) maxima[r] = hmax(kernels::load(scores + 16 * r));
-    std::vector<float> ranked(maxima);
+    scratch<float> ranked(maxima);
     std::nth_element(ranked.begin(), ranked.begin() + (k - 1), ranked.end(), std::greater<float>());
     const float bound = ranked[k - 1];
     for (long r = 0; r < runs; ++r)
@@ -346,7 +352,7 @@ void hc_mix(const float* fn, const float* base, const float* scale, const float*
             float eps, float hc_eps, float* pre, float* post, float* comb) {
   const long width = n * C;
   const float r = 1.0f / std::sqrt(dot(x, x, width) / width + eps);
-  std::vector<float> mixes((2 + n) * n);
+  scratch<float> mixes((2 + n) * n);
   dots_of(fn, (2 + n) * n, x, width, mixes.data());
   for (float& mix : mixes) mix *= r;
   for (long j = 0; j < n; ++j) {
@@ -379,7 +385,7 @@ void hc_mix(const float* fn, const float* base, const float* scale, const float*
 void hc_site(const V41Model* m, const float* fn, const float* base, const float* scale, float* x, const float* out,
              float* pre) {
   const long n = m->hc, C = m->C;
-  std::vector<float> post(n), comb(n * n), mixed(n * C);
+  scratch<float> post(n), comb(n * n), mixed(n * C);
   hc_mix(fn, base, scale, x, n, C, m->sinkhorn_iters, m->eps, m->hc_eps, pre, post.data(), comb.data());
   for (long j = 0; j < n; ++j) {  // stream j: post[j] * out + sum_i comb[i][j] * x[i]
     float* stream = mixed.data() + j * C;
@@ -406,10 +412,10 @@ struct Step {  // what a step carries from layer to layer
   const V41Model* m;
   const V41Rows* r;
   int B;
-  std::vector<float> x, pre;      // (B, hc, C) the streams, (B, hc) the pre-mix of the last site
-  std::vector<long> sel_idx, pool_idx;
-  std::vector<char> sel_valid, pool_valid, has_sel, has_pool;
-  std::vector<long> entries;      // (B, MAX_STORES) each store's entries after this step's compressors
+  scratch<float> x, pre;      // (B, hc, C) the streams, (B, hc) the pre-mix of the last site
+  scratch<long> sel_idx, pool_idx;
+  scratch<char> sel_valid, pool_valid, has_sel, has_pool;
+  scratch<long> entries;      // (B, MAX_STORES) each store's entries after this step's compressors
 };
 
 // A KV source's compressor for each row whose group completes at this position: the group's inputs pooled
@@ -417,7 +423,7 @@ struct Step {  // what a step carries from layer to layer
 int compress(Step& s, const V41Layer* L, const float* xn) {
   const V41Model* m = s.m;
   const long C = m->C, D = m->D, I = m->index_dim, ratio = L->ratio;
-  std::vector<float> kv(ratio * D), gate(ratio * D), latent(D), key(I), normed(D);
+  scratch<float> kv(ratio * D), gate(ratio * D), latent(D), key(I), normed(D);
   for (int b = 0; b < s.B; ++b) {
     const long pos = s.r->positions[b], place = pos % ratio;
     float* group = s.r->pending[b * MAX_STORES + L->own_store];
@@ -457,7 +463,7 @@ int index(Step& s, const V41Layer* L, const float* xn, const float* q_res) {
   const V41Model* m = s.m;
   const long C = m->C, nI = m->index_heads, dI = m->index_dim, K = m->index_topk, P = m->cand_blocks;
   const long bs = m->cand_block_size, ratio = m->store_ratio[L->read_store];
-  std::vector<float> q(s.B * nI * dI), w(s.B * nI);
+  scratch<float> q(s.B * nI * dI), w(s.B * nI);
   if (linear(L->i_wq_b, q_res, m->Q, s.B, s.r->lora_slots, q.data(), nI * dI) ||
       linear(L->i_weights, xn, C, s.B, s.r->lora_slots, w.data(), nI))
     return -1;
@@ -466,15 +472,15 @@ int index(Step& s, const V41Layer* L, const float* xn, const float* q_res) {
     if (N == 0) return;
     float* qb = q.data() + b * nI * dI;
     rope(qb, nI, dI, m->R, m->inv_freq[L->rope], pos, 1.0f);
-    std::vector<float> head_weight(nI);  // w_h / sqrt(nI) / sqrt(dI): what a head's ReLU score is weighted by
+    scratch<float> head_weight(nI);  // w_h / sqrt(nI) / sqrt(dI): what a head's ReLU score is weighted by
     for (long h = 0; h < nI; ++h) head_weight[h] = w[b * nI + h] / std::sqrt(static_cast<float>(nI * dI));
     const float* keys = s.r->keys[b * MAX_STORES + L->read_store];
     const long seen = std::min(N, (pos + 1) / ratio);  // entries whose group ends at or before this position
     const long* sel_from = nullptr;  // the scored entries: 0 .. N-1, or the pool's (sel_from)
-    std::vector<long> pooled;
-    std::vector<float> scores;
+    scratch<long> pooled;
+    scratch<float> scores;
     if (L->uses_candidates && s.has_pool[b]) {  // only the entries of the pool's blocks, in entry order
-      std::vector<long> blocks;
+      scratch<long> blocks;
       for (long j = 0; j < P; ++j)
         if (s.pool_valid[b * P + j]) blocks.push_back(s.pool_idx[b * P + j]);
       std::sort(blocks.begin(), blocks.end());
@@ -489,7 +495,7 @@ int index(Step& s, const V41Layer* L, const float* xn, const float* q_res) {
       index_scores(qb, head_weight.data(), nI, dI, keys, nullptr, seen, scores.data());
       if (L->candidate_source && P) {  // the pool: the blocks of the best entry scores
         const long n_blocks = (N + bs - 1) / bs;
-        std::vector<float> block_best(n_blocks, NEG_INF);
+        scratch<float> block_best(n_blocks, NEG_INF);
         for (long e = 0; e < N; ++e) block_best[e / bs] = std::max(block_best[e / bs], scores[e]);
         top_k(block_best.data(), nullptr, n_blocks, P, s.pool_idx.data() + b * P, s.pool_valid.data() + b * P);
         s.has_pool[b] = 1;
@@ -508,7 +514,7 @@ int attention_site(Step& s, const V41Layer* L, int layer) {
   const int B = s.B;
   const long C = m->C, H = m->H, D = m->D, Q = m->Q, G = m->G, n = m->hc;
   const long Ro = L->wo_a[0].out, L_count = m->n_layers;
-  std::vector<float> h(B * C), xn(B * C), qa(B * Q), q_res(B * Q), kv(B * D), q(B * H * D), out(B * H * D),
+  scratch<float> h(B * C), xn(B * C), qa(B * Q), q_res(B * Q), kv(B * D), q(B * H * D), out(B * H * D),
       grouped(B * G * Ro), y(B * C);
   collapse_norm(m, B, s.x.data(), s.pre.data(), L->attn_norm, h.data(), xn.data());
   if (linear(L->wq_a, xn.data(), C, B, r->lora_slots, qa.data(), Q) ||
@@ -533,7 +539,7 @@ int attention_site(Step& s, const V41Layer* L, int layer) {
     const float* latents = global ? r->latents[b * MAX_STORES + L->read_store] : nullptr;
     // K = V: the window's latents within distance W - 1 (a chunk's rows may hold older ones: left out, so a row
     // sums the same terms in the same order whatever its tail holds), then the selected entries
-    std::vector<const float*> values;
+    scratch<const float*> values;
     values.reserve(m->window + K);
     for (long j = std::max(0L, held - m->window + 1); j <= held; ++j) values.push_back(keys + j * D);
     for (long j = 0; j < K; ++j)
@@ -541,7 +547,7 @@ int attention_site(Step& s, const V41Layer* L, int layer) {
     const long S = values.size();
     float* qb = q.data() + b * H * D;
     rope(qb, H, D, m->R, m->inv_freq[L->rope], pos, 1.0f);
-    std::vector<float> weights(H * S);  // (H, S): each head's scores, then its softmax weights
+    scratch<float> weights(H * S);  // (H, S): each head's scores, then its softmax weights
     for (long head = 0; head < H; ++head)
       value_dots(qb + head * D, values.data(), S, D, scale, weights.data() + head * S);
     for (long head = 0; head < H; ++head) {  // one softmax over [window | selected entries | sink]
@@ -571,7 +577,7 @@ int attention_site(Step& s, const V41Layer* L, int layer) {
 // One expert (w1, w2, w3) on M rows: y = w2(silu(w1 x) * w3 x), gate and up clamped at `limit` (0: not).
 int expert(const Linear* w, const float* x, int M, const long* slots, float limit, float* y) {
   const long C = w[0].in, F = w[0].out;
-  std::vector<float> g(M * F), u(M * F);
+  scratch<float> g(M * F), u(M * F);
   if (linear(w + 0, x, C, M, slots, g.data(), F) || linear(w + 2, x, C, M, slots, u.data(), F)) return -1;
   kernels::swiglu(g.data(), u.data(), M * F, limit);
   return linear(w + 1, g.data(), F, M, slots, y, C);
@@ -582,8 +588,8 @@ int ffn_site(Step& s, const V41Layer* L) {
   const V41Model* m = s.m;
   const int B = s.B;
   const long C = m->C, E = m->n_experts, k = m->top_experts, n = m->hc;
-  std::vector<float> h(B * C), xn(B * C), routed(B * C, 0.0f), weights(B * k), scores(E), biased(E);
-  std::vector<long> ids(B * k);
+  scratch<float> h(B * C), xn(B * C), routed(B * C, 0.0f), weights(B * k), scores(E), biased(E);
+  scratch<long> ids(B * k);
   collapse_norm(m, B, s.x.data(), s.pre.data(), L->ffn_norm, h.data(), xn.data());
   for (int b = 0; b < B; ++b) {
     for (long e = 0; e < E; ++e) {
@@ -596,7 +602,7 @@ int ffn_site(Step& s, const V41Layer* L) {
       for (long e = 0; e < E; ++e) total += (scores[e] = std::exp(scores[e] - top));
       for (long e = 0; e < E; ++e) scores[e] /= total;
     }
-    std::vector<long> order(E);
+    scratch<long> order(E);
     for (long e = 0; e < E; ++e) order[e] = e, biased[e] = scores[e] + L->gate_bias[e];
     std::partial_sort(order.begin(), order.begin() + k, order.end(),
                       [&](long a, long c) { return biased[a] > biased[c] || (biased[a] == biased[c] && a < c); });
@@ -611,12 +617,12 @@ int ffn_site(Step& s, const V41Layer* L) {
   // both threads (each into a part of `outputs` of its own), then added to each row in expert order, the shared one
   // last. The B * k choices sorted by expert (a counting sort: rows in order within an expert) lay out each
   // expert's rows, inputs and outputs side by side, so a step allocates a few buffers, not a few per expert.
-  std::vector<long> start(E + 1, 0), chosen(B * k), slots(B * k);
+  scratch<long> start(E + 1, 0), chosen(B * k), slots(B * k);
   for (long i = 0; i < B * k; ++i) ++start[ids[i] + 1];
   for (long e = 0; e < E; ++e) start[e + 1] += start[e];
-  std::vector<long> fill(start.begin(), start.end() - 1);
+  scratch<long> fill(start.begin(), start.end() - 1);
   for (long i = 0; i < B * k; ++i) chosen[fill[ids[i]]++] = i;  // choice i = b * k + j: row b's j-th
-  std::vector<float> x(B * k * C), outputs(B * k * C + B * C);  // the shared expert's after the routed ones'
+  scratch<float> x(B * k * C), outputs(B * k * C + B * C);  // the shared expert's after the routed ones'
   float* shared_out = outputs.data() + B * k * C;
   std::atomic<int> failed{0};
   kernels::parallel_for(E + 1, B > 1, [&](long task) {  // task 0: the shared expert (the largest, claimed first)
@@ -663,9 +669,9 @@ int v41_run(const V41Rows* r, const V41Model* m, const long* tokens, int from_si
             float* logits, int logits_from) {
   const int B = r->B, E = m->decoder_start;
   const long C = m->C, n = m->hc, K = m->index_topk, P = m->cand_blocks;
-  Step s{m, r, B, std::vector<float>(B * n * C), std::vector<float>(B * n, 0.0f), std::vector<long>(B * K, 0),
-         std::vector<long>(B * std::max(P, 1L), 0), std::vector<char>(B * K, 0), std::vector<char>(B * std::max(P, 1L), 0),
-         std::vector<char>(B, 0), std::vector<char>(B, 0), std::vector<long>(r->n_entries, r->n_entries + B * MAX_STORES)};
+  Step s{m, r, B, scratch<float>(B * n * C), scratch<float>(B * n, 0.0f), scratch<long>(B * K, 0),
+         scratch<long>(B * std::max(P, 1L), 0), scratch<char>(B * K, 0), scratch<char>(B * std::max(P, 1L), 0),
+         scratch<char>(B, 0), scratch<char>(B, 0), scratch<long>(r->n_entries, r->n_entries + B * MAX_STORES)};
   const int layer_e_attention = 2 * E;
   for (int b = 0; b < B; ++b) {
     if (from_site == 0) {
@@ -718,7 +724,7 @@ int v41_run(const V41Rows* r, const V41Model* m, const long* tokens, int from_si
   }
   if (!logits || to_site != 2 * m->n_layers || logits_from >= B) return 0;
   const int rows = B - logits_from;
-  std::vector<float> h(rows * C), xn(rows * C);
+  scratch<float> h(rows * C), xn(rows * C);
   collapse_norm(m, rows, s.x.data() + logits_from * n * C, s.pre.data() + logits_from * n, m->final_norm, h.data(),
                 xn.data());
   return linear(m->head, xn.data(), C, rows, nullptr, logits, m->vocab);
@@ -754,10 +760,10 @@ int v41_step_tails(int B, TailMeta* const* const* tails, long n_stores, long cho
       if (m->store_ratio[s] > 1 && t[L + 3 * s + 2]->n != positions[b] % m->store_ratio[s]) return TAILS_OUT_OF_STEP;
   }
   auto at = [](const TailMeta* t, long i) { return t->buf + (t->start + i) * t->stride; };
-  std::vector<float*> windows(B * L), latents(B * S), keys(B * S), pending(B * S), stream(B), pre(B);
-  std::vector<long> window_n(B * L), n_entries(B * S);
-  std::vector<long*> sel_idx(B), pool_idx(B);
-  std::vector<bool*> sel_valid(B), pool_valid(B);
+  scratch<float*> windows(B * L), latents(B * S), keys(B * S), pending(B * S), stream(B), pre(B);
+  scratch<long> window_n(B * L), n_entries(B * S);
+  scratch<long*> sel_idx(B), pool_idx(B);
+  scratch<bool*> sel_valid(B), pool_valid(B);
   for (int b = 0; b < B; ++b) {
     TailMeta* const* t = tails[b];
     for (long l = 0; l < L; ++l) {
