@@ -261,11 +261,11 @@ class CEDEngine:
 
 def check_tokens(config, length: int, tokens: list[int]) -> list[int]:
     """Tokens that may join a context of `length`: ids in the vocabulary, within the context limit."""
-    tokens = [int(t) for t in tokens]
+    tokens = list(map(int, tokens))  # builtins, not comprehensions: a decode step checks its token on cold caches
     if not tokens:
         raise ValueError("no tokens given")
-    bad = [t for t in tokens if not 0 <= t < config.vocab_size]
-    if bad:
+    if min(tokens) < 0 or max(tokens) >= config.vocab_size:
+        bad = [t for t in tokens if not 0 <= t < config.vocab_size]
         raise ValueError(f"token ids {bad[:5]} out of range 0..{config.vocab_size - 1}")
     if length + len(tokens) > config.max_context:
         raise ContextTooLongError(f"context would reach {length + len(tokens)} tokens, over the configured "

@@ -180,16 +180,17 @@ class V41Plan:
         if struct is None:
             return None
         B, slot_of = len(states), self._variant[3]
-        rows = [self._row_tails(state) for state in states]
         if logits is None:
             logits = torch.empty(B, self.config.vocab_size)
         if B == 1:  # a lone row's arrays are kept on its RowTails: on the caches a step leaves, each new one costs
-            row, name = rows[0], adapters[0]
+            rows, name = [self._row_tails(states[0])], adapters[0]
+            row = rows[0]
             row.position[0], row.token[0], row.slot[0] = len(states[0].shared.tokens), tokens[0], \
                 -1 if name is None else slot_of[name]
             args = (1, row.one, len(self.stores), self.choices_from, self.n_choices, row.position,
                     None if name is None else row.slot, self._variant[4], row.token, logits.data_ptr())
         else:
+            rows = [self._row_tails(state) for state in states]
             tails = (ctypes.c_void_p * B)(*[row.address for row in rows])
             positions = (ctypes.c_long * B)(*[len(state.shared.tokens) for state in states])
             lora_slots = None  # no LoRA on any row
@@ -206,7 +207,8 @@ class V41Plan:
                 raise RuntimeError("v41_step_tails found a full tail after make_room (a bug)")
         if code == TAILS_OUT_OF_STEP:
             return None
-        kernels.check(code)
+        if code:
+            kernels.check(code)
         for state, token in zip(states, tokens):
             state.shared.tokens.append(token)
         return logits

@@ -495,8 +495,12 @@ int index(Step& s, const V41Layer* L, const float* xn, const float* q_res) {
       index_scores(qb, head_weight.data(), nI, dI, keys, nullptr, seen, scores.data());
       if (L->candidate_source && P) {  // the pool: the blocks of the best entry scores
         const long n_blocks = (N + bs - 1) / bs;
-        scratch<float> block_best(n_blocks, NEG_INF);
-        for (long e = 0; e < N; ++e) block_best[e / bs] = std::max(block_best[e / bs], scores[e]);
+        scratch<float> block_best(n_blocks);
+        for (long block = 0; block < n_blocks; ++block) {  // a block's entries in order, its best in a register
+          float best = NEG_INF;
+          for (long e = block * bs; e < std::min(N, (block + 1) * bs); ++e) best = std::max(best, scores[e]);
+          block_best[block] = best;
+        }
         top_k(block_best.data(), nullptr, n_blocks, P, s.pool_idx.data() + b * P, s.pool_valid.data() + b * P);
         s.has_pool[b] = 1;
       }
