@@ -134,15 +134,16 @@ void dots_of(const float* rows, long count, const float* x, long n, float* y) {
     for (long k = 0; k < count; ++k) y[k] = dot(rows + k * n, x, n);
     return;
   }
-  for (long k0 = 0; k0 < count; k0 += 8) {
-    const long group = std::min(8L, count - k0);
+  long k0 = 0;
+  for (; k0 + 8 <= count; k0 += 8) {  // a whole group: its sums stay in registers (a group of `count`'s size spilled)
     kernels::v16 acc[8] = {};
     for (long i = 0; i < n; i += 16) {
       const kernels::v16 xv = kernels::load(x + i);
-      for (long k = 0; k < group; ++k) acc[k] += kernels::load(rows + (k0 + k) * n + i) * xv;
+      for (int k = 0; k < 8; ++k) acc[k] += kernels::load(rows + (k0 + k) * n + i) * xv;
     }
-    for (long k = 0; k < group; ++k) y[k0 + k] = hsum(acc[k]);
+    for (int k = 0; k < 8; ++k) y[k0 + k] = hsum(acc[k]);
   }
+  for (; k0 < count; ++k0) y[k0] = dot_tree(rows + k0 * n, x, n);
 }
 
 #ifdef SHUFFLES
@@ -182,8 +183,6 @@ void value_dots(const float* q, const float* const* rows, long count, long n, fl
   long j0 = 0;
   if (n % 16 == 0)
     for (; j0 + 16 <= count; j0 += 16) {
-      for (long j = j0 + 16; j < std::min(count, j0 + 32); ++j)  // the next 16 rows (selected ones lie anywhere)
-        for (long i = 0; i < n; i += 16) __builtin_prefetch(rows[j] + i);
       kernels::v16 acc[16] = {};
       for (long i = 0; i < n; i += 16) {
         const kernels::v16 qv = kernels::load(q + i);
@@ -289,11 +288,23 @@ void rope(float* x, long heads, long D, long R, const float* inv_freq, long pos,
   }
 }
 
-// The largest of the 16 lanes.
+// The largest of the 16 lanes (of numbers: a NaN lane may or may not be passed over), halves against halves: four
+// steps, where lane after lane was a chain of fifteen.
 inline float hmax(kernels::v16 v) {
+#ifdef SHUFFLES
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4_ __attribute__((vector_size(16)));
+  const v8 lo8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const v8 hi8 = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v8 half = lo8 < hi8 ? hi8 : lo8;
+  const v4_ lo4 = __builtin_shufflevector(half, half, 0, 1, 2, 3), hi4 = __builtin_shufflevector(half, half, 4, 5, 6, 7);
+  const v4_ quarter = lo4 < hi4 ? hi4 : lo4;
+  return std::max(std::max(quarter[0], quarter[1]), std::max(quarter[2], quarter[3]));
+#else
   float top = v[0];
   for (int lane = 1; lane < 16; ++lane) top = std::max(top, v[lane]);
   return top;
+#endif
 }
 
 // The k best of `n` candidates (scores[i], entry i, or entries[i] where given: increasing in i), ties to the
