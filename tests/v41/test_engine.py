@@ -14,7 +14,7 @@ import torch
 from ced import kernels
 from ced.adapters import AdapterError, PlacementError, UnknownAdapterError
 from ced.deepseek_v41.conversation import V41Conversation
-from ced.deepseek_v41.engine import V41Engine
+from ced.deepseek_v41.engine import FreshRows, V41Engine
 from ced.deepseek_v41.model import DeepseekV41ForCausalLM
 from ced.deepseek_v41.state import apply_delta, copy_state, delta_of, empty_state
 from ced.engine import ContextTooLongError, StateError
@@ -214,6 +214,19 @@ def test_bad_tokens_are_refused_before_the_state_is_touched(engine, tiny_v41):
     assert state.length == 3
     with pytest.raises(StateError, match="the conversation is empty"):
         engine.replay(engine.new_conversation(), None)
+
+
+def test_a_steps_logits_stay_its_own_through_the_steps_after_it(engine):
+    """A one-row step's logits are a row of a block made for several steps (FreshRows): none is handed out twice."""
+    state = engine.new_conversation()
+    engine.prefill(state, [1, 2, 3])
+    engine.replay(state, None)
+    kept = []
+    for token in range(FreshRows.BLOCK + 3):  # past a block's end
+        logits = engine.step(state, token % 7, None)
+        kept.append((logits, logits.clone()))
+    assert all(torch.equal(logits, copy) for logits, copy in kept)
+    assert len({logits.data_ptr() for logits, _ in kept}) == len(kept)
 
 
 def test_row_engine_drives_the_v41_engine_as_the_engine_itself(engine):
