@@ -182,9 +182,9 @@ class V41Plan:
         B, slot_of = len(states), self._variant[3]
         if logits is None:
             logits = torch.empty(B, self.config.vocab_size)
-        if B == 1:  # a lone row's arrays are kept on its RowTails: on the caches a step leaves, each new one costs
-            rows, name = [self._row_tails(states[0])], adapters[0]
-            row = rows[0]
+        if B == 1:  # a lone row's arrays live on its RowTails: a new ctypes array costs ~5 us on a step's caches
+            row, name = self._row_tails(states[0]), adapters[0]
+            rows = [row]
             row.position[0], row.token[0], row.slot[0] = len(states[0].shared.tokens), tokens[0], \
                 -1 if name is None else slot_of[name]
             args = (1, row.one, len(self.stores), self.choices_from, self.n_choices, row.position,

@@ -229,8 +229,7 @@ struct Arena {
   long live = 0;        // blocks handed out and not yet freed
   ~Arena() { std::free(base); }
 };
-// initial-exec: its address without a call to __tls_get_addr (a few of those a buffer cost the step ~1 %)
-__attribute__((tls_model("initial-exec"))) thread_local Arena arena;
+thread_local Arena arena;
 
 }  // namespace
 
