@@ -47,7 +47,7 @@ class V41Plan:
                        and kernels.available(torch.float32))
         self.stores = {layer: i for i, layer in enumerate(config.kv_source_layer_ids)}
         self._panels: dict[int, list[Tensor]] = {}  # id(module) -> its panels (one per group)
-        self._variant: tuple | None = None  # (key, V41Model, what it points into, each adapter's slot, byref(V41Model))
+        self._variant: tuple | None = None  # (key, V41Model, what it points into, each adapter's slot, its byref)
         f, long_, bool_, c = torch.float32, torch.long, torch.bool, config
         self.like = {  # (1, 1, ...) of each tail's shape and dtype: what a tail makes room after
             "latent": torch.empty(1, 1, c.head_dim, dtype=f), "key": torch.empty(1, 1, c.index_head_dim, dtype=f),

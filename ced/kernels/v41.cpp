@@ -297,7 +297,8 @@ inline float hmax(kernels::v16 v) {
   const v8 lo8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
   const v8 hi8 = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   const v8 half = lo8 < hi8 ? hi8 : lo8;
-  const v4_ lo4 = __builtin_shufflevector(half, half, 0, 1, 2, 3), hi4 = __builtin_shufflevector(half, half, 4, 5, 6, 7);
+  const v4_ lo4 = __builtin_shufflevector(half, half, 0, 1, 2, 3);
+  const v4_ hi4 = __builtin_shufflevector(half, half, 4, 5, 6, 7);
   const v4_ quarter = lo4 < hi4 ? hi4 : lo4;
   return std::max(std::max(quarter[0], quarter[1]), std::max(quarter[2], quarter[3]));
 #else
