@@ -542,11 +542,10 @@ class Scheduler:
     def _finish_handed(self, turn: Turn) -> None:
         """A decode server's turn: its end state goes back to the sender (or is stored here); the row is freed."""
         try:
-            state = self.engine.export(turn.row)
-            if turn.returns_state:
-                turn.final_state = state
+            if turn.returns_state:  # the sender keeps it; the last turn of a conversation wants nothing back
+                turn.final_state = None if turn.end_conversation else self.engine.export(turn.row)
             else:
-                self.store.commit(turn.conversation_id, state, turn.end_conversation)
+                self.store.commit(turn.conversation_id, self.engine.export(turn.row), turn.end_conversation)
         except Exception as error:  # noqa: BLE001 - not returned or stored: the client must not think it was
             self._fail(turn, error)
             return

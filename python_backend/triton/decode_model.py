@@ -9,7 +9,8 @@ of them together, each under its own adapter (in one batch on the torch engine, 
 them (a send waits for Triton's process: 16 of those a step held up the decode step).
 
 With `_return_state` (a disaggregated prefill server's relay) the final state comes back in `_state_out`, in a last
-response of its own, sealed in `_state_seal`, and the store is not touched: the prefill server owns it. A turn of no
+response of its own, sealed in `_state_seal` (not on a conversation's last turn: the relay would only drop it), and the
+store is not touched: the prefill server owns it. A turn of no
 conversation (`_conversation_id` empty: the relay's stateless OpenAI requests) is neither stored nor returned. `_state`
 and `_state_out` are deltas where they can be (python_backend/core/delta_transfer.py): this model keeps each
 conversation's final state, up to `transfer_cache_mb`, and a delta on a state it does not hold is refused first.
@@ -233,7 +234,9 @@ class HandedSink:
             last = [model.respond(parsed, 0 if parsed.stream else len(parsed.ids), True, self.wanted,
                                   turn.decision.adapter, turn.finish_reason,
                                   None if parsed.stream else token_logprobs(turn, turn.logprobs))]
-            if request.return_state:
+            if request.return_state and request.end_conversation:  # the relay drops it: nothing goes back
+                model.transfers.forget(request.conversation_id)
+            elif request.return_state:
                 state = model.transfers.reply(request.conversation_id, request.received, turn.final_state,
                                                     request.end_conversation)
                 seal = model.sealer.seal(RETURNED, **returned_fields(request.conversation_id, state))

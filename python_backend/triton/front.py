@@ -94,7 +94,7 @@ def remote_decode(url: str, model: str, inputs: dict[str, np.ndarray], timeout_s
 
 class Relay:
     """One turn on a prefill server: prefill and route here, decode there (its ids detokenized here), the final
-    state committed here.
+    state committed here (a conversation's last turn gets none back: the conversation is deleted here).
 
     `send(outputs, final)` hands one response to the client. The relay holds the turn lock (an OS lock, in its
     own process: from before prefill, or, for a new conversation, from the moment prefill names it) until the
@@ -152,7 +152,10 @@ class Relay:
             pending = self._answers(results, send, cancelled, commit, _count(prefilled["_prompt_tokens"]))
             if pending is None:
                 return
-            if not committed:
+            if end and not committed:  # the last turn: decode sends no state back (only to be dropped here)
+                self.store.delete(conversation_id)
+                self.transfers.forget(conversation_id)
+            elif not committed:
                 raise RequestError(f"the decode server at {self.decode_url} ended the turn without its final state")
         finally:
             if conversation_id:

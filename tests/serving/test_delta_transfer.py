@@ -167,12 +167,16 @@ class Pair:
         self.scheduler.submit(turn)
         self.scheduler.drain()
         assert sink.error is None, sink.error
-        final_state = self.transfers.reply(conversation_id, received, turn.final_state, end)
         ids = self.generated = turn.generated
         yield Result(_ids=np.array(ids), _fresh=np.array([len(ids)], np.int32), _last=np.array([True]),
                      applied_adapter=text("x"), replayed_tokens=np.array([0], np.int32),
                      output_tokens=np.array([len(ids)], np.int32), route_scores=text("{}"),
                      conversation_id_out=text(conversation_id))
+        if end:  # the last turn: no state goes back (the decode model's HandedSink)
+            assert turn.final_state is None
+            self.transfers.forget(conversation_id)
+            return
+        final_state = self.transfers.reply(conversation_id, received, turn.final_state, end)
         yield Result(_state_out=np.frombuffer(final_state, np.uint8), _state_seal=text(SEALER.seal(
             RETURNED, **returned_fields(conversation_id, final_state))))
 

@@ -207,8 +207,12 @@ def test_disaggregated_turns_send_deltas_of_a_size_independent_of_the_history(se
     assert max(sent) < full / 2 and max(sent) - min(sent) < 0.1 * max(sent), (full, sent)
     assert max(returned) - min(returned) < 0.1 * max(returned), returned
     assert not any(key[0] == "mol2_transfer_fallbacks_total" for counts in per_turn for key in counts), per_turn
+    before = transfer_counts(prefill)
     assert "error" not in generate(prefill, text_input="bye", adapter="chat", max_tokens=2,
                                    conversation_id=conversation_id, end_conversation=True)
+    last = counted_since(before, transfer_counts(prefill))  # the last turn's state is not sent back to be dropped
+    assert bytes_of(last, "to_decode", "delta") and not bytes_of(last, "to_prefill", "delta"), last
+    assert not bytes_of(last, "to_prefill", "full"), last
 
 
 def test_disaggregated_falls_back_to_the_full_state_when_another_relay_wrote_the_turn(server, disaggregated):
