@@ -9,11 +9,11 @@ of them together, each under its own adapter (in one batch on the torch engine, 
 them (a send waits for Triton's process: 16 of those a step held up the decode step).
 
 With `_return_state` (a disaggregated prefill server's relay) the final state comes back in `_state_out`, in a last
-response of its own, sealed in `_state_seal` (not on a conversation's last turn: the relay would only drop it), and the
-store is not touched: the prefill server owns it. A turn of no
-conversation (`_conversation_id` empty: the relay's stateless OpenAI requests) is neither stored nor returned. `_state`
-and `_state_out` are deltas where they can be (python_backend/core/delta_transfer.py): this model keeps each
-conversation's final state, up to `transfer_cache_mb`, and a delta on a state it does not hold is refused first.
+response of its own, sealed in `_state_seal` (not on a conversation's last turn: the relay would only drop it), and
+the store is not touched: the prefill server owns it. A turn of no conversation (`_conversation_id` empty: the relay's
+stateless OpenAI requests) is neither stored nor returned. `_state` and `_state_out` are deltas where they can be
+(python_backend/core/delta_transfer.py): this model keeps each conversation's final state, up to
+`transfer_cache_mb`, and a delta on a state it does not hold is refused first.
 Internal: a request without its caller's seal over the conversation, the transfer and the state
 (python_backend/core/seal.py) is refused before anything is read, written, locked or unlocked. `pb` is passed in, so it
 is tested without a server.
