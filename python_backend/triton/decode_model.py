@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import queue
 import threading
-import time
 import traceback
 from dataclasses import dataclass, field
 
@@ -40,10 +39,9 @@ from ..core.seal import DECODE, RETURNED, Sealer, decode_fields, returned_fields
 from ..core.serving import Served
 from ..core.settings import ServingSettings, triton_parameters
 from ..core.transfer import TransferMeta
-from .engine_model import CANCEL_CHECK_S
 from .metrics import Counters
-from .triton_io import (Outputs, as_scalar, as_text, failure_response, optional, requested_outputs, require_decoupled,
-                        required, response)
+from .triton_io import (Every, Outputs, as_scalar, as_text, failure_response, optional, requested_outputs,
+                        require_decoupled, required, response)
 
 
 @dataclass
@@ -193,7 +191,7 @@ class HandedSink:
         self._final = False
         self._unsent: list[tuple[int, list | None]] = []  # (token, its logprobs entry) not sent yet
         self._flush_queued = False
-        self._next_check = 0.0  # Triton is asked at most every CANCEL_CHECK_S (each ask crosses to the server)
+        self._ask = Every()  # Triton is asked at most every CANCEL_CHECK_S
 
     # The scheduler's thread calls these; what they send is queued for the model's responder (DecodeModel._respond),
     # with what they read of the turn taken now. Tokens wait in `_unsent` until the responder sends them: one
@@ -256,10 +254,8 @@ class HandedSink:
             self._send_final(failure_response(self.model.pb, error, "decode"))
 
     def cancelled(self) -> bool:
-        now = time.monotonic()
-        if now < self._next_check:
+        if not self._ask.due():
             return False
-        self._next_check = now + CANCEL_CHECK_S
         with self._lock:
             return not self._final and self.sender.is_cancelled()
 

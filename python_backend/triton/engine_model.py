@@ -32,9 +32,8 @@ from ..core.detokenize import text_delta, window
 from ..core.events import Count, Event, Failed, Final, Token
 from ..core.server_errors import ENGINE_FAILED
 from .metrics import Counters
-from .triton_io import error_response, requested_outputs
+from .triton_io import CANCEL_CHECK_S, error_response, requested_outputs
 
-CANCEL_CHECK_S = 0.05
 CORE_START_TIMEOUT_S = 600.0
 PYTHON_VARIABLE = "MOL2_PYTHON"  # the interpreter the core runs on (python_backend/server/launcher.py sets it)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import traceback
 
 import numpy as np
@@ -114,3 +115,21 @@ def respond_each(pb, requests, serve, model: str, client_errors: tuple = (ValueE
         except Exception as error:  # noqa: BLE001 - mapped per request, never out of `execute`
             responses.append(failure_response(pb, error, model, client_errors))
     return responses
+
+
+CANCEL_CHECK_S = 0.05  # how often a model asks Triton whether a client left (each ask crosses to Triton's process)
+
+
+class Every:
+    """`due()` is True at most once every `seconds`, the first time at once: what a per-token path asks before
+    asking Triton something whose answer can wait (a client gone: `sender.is_cancelled()`)."""
+
+    def __init__(self, seconds: float = CANCEL_CHECK_S):
+        self.seconds, self._next = seconds, 0.0
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self.seconds
+        return True
