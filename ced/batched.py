@@ -89,10 +89,8 @@ class BatchedEngine:
         for row, start, n in zip(rows, starts, lengths):
             self.pool.reserve(row, start + n)
         ragged = None if min(lengths) == T else lengths
-        cache = PagedCache(self.pool, rows, starts, T, lengths=ragged)
         ids = torch.tensor([chunk + [0] * (T - len(chunk)) for chunk in chunks])
-        with self.engine._rows([None] * len(rows)), self._threads(sum(lengths)):
-            out = self.model.shared_stage(ids, _positions(starts, T), cache)
+        out = self._run_shared(rows, starts, ids, ragged)
         self._keep_stream(rows, starts, out, ragged)
         for row, chunk in zip(rows, chunks):
             row.tokens.extend(chunk)
@@ -117,10 +115,7 @@ class BatchedEngine:
             stream = self.pool.read_ring(self.pool.stream, slots, positions)  # (R, n, C)
             selection = Selection(self.pool.read_ring(self.pool.sel_idx, slots, positions),
                                   self.pool.read_ring(self.pool.sel_valid, slots, positions))
-            cache = PagedCache(self.pool, members, starts, n, fresh=self.bound_layers)
-            with self.engine._rows([adapters[i] for i in group]), self._threads(n * len(group)):
-                hidden = self.model.decoder_stage(stream, positions, selection, cache, last_only=True)
-                out = self.model.lm_head(hidden[:, -1])  # (R, V)
+            out = self._run_replay(members, starts, stream, selection, [adapters[i] for i in group])
             for j, i in enumerate(group):
                 logits[i] = out[j]
                 rows[i].bound_adapter, rows[i].bound_length = adapters[i], rows[i].length
@@ -142,15 +137,7 @@ class BatchedEngine:
         starts = [row.length for row in rows]
         for row in rows:
             self.pool.reserve(row, row.length + 1)
-        cache, positions = PagedCache(self.pool, rows, starts, 1), _positions(starts, 1)
-        with self.engine._rows(adapters), kernels.step_threads(self.free_cpus, self.chunk_threads or 1):
-            native = cache.native_decode(positions)
-            logits = native.step(self.model, tokens) if native is not None else None  # one call (ced/kernels)
-            if logits is None:
-                out = self.model.shared_stage(torch.tensor(tokens)[:, None], positions, cache)
-                self._keep_stream(rows, starts, out)
-                hidden = self.model.decoder_stage(out.stream, positions, out.selection, cache)
-                logits = self.model.lm_head(hidden[:, -1])
+        logits = self._run_step(rows, starts, tokens, adapters)
         for row, token in zip(rows, tokens):
             row.tokens.append(token)
             row.bound_length += 1
@@ -249,6 +236,41 @@ class BatchedEngine:
                 self.pool.write_window(self.pool.wk[layer], slots, [length - len(window)], window.k)
                 self.pool.write_window(self.pool.wv[layer], slots, [length - len(window)], window.v)
             row.bound_adapter, row.bound_length = bound.adapter, length
+
+    # -- the model's calls over the pool: another runtime (ced/ort_batched.py) overrides only these --------------
+
+    def _run_shared(self, rows: list[Resident], starts: list[int], ids: Tensor,
+                    lengths: list[int] | None) -> SharedOutput:
+        """The adapter-free stage over chunks ids (B, T) at `starts` (`lengths`: each row's real length, if
+        ragged), its windows, entries and open blocks written into the pool."""
+        cache = PagedCache(self.pool, rows, starts, ids.shape[1], lengths=lengths)
+        with self.engine._rows([None] * len(rows)), self._threads(sum(lengths or [ids.shape[1]] * len(rows))):
+            return self.model.shared_stage(ids, _positions(starts, ids.shape[1]), cache)
+
+    def _run_replay(self, rows: list[Resident], starts: list[int], stream: Tensor, selection: Selection,
+                    adapters: list[str | None]) -> Tensor:
+        """The decoder over kept streams (R, n, C) from `starts`, rebuilding the adapter-bound windows in the pool:
+        the last position's logits (R, V)."""
+        n = stream.shape[1]
+        cache = PagedCache(self.pool, rows, starts, n, fresh=self.bound_layers)
+        with self.engine._rows(adapters), self._threads(n * len(rows)):
+            hidden = self.model.decoder_stage(stream, _positions(starts, n), selection, cache, last_only=True)
+            return self.model.lm_head(hidden[:, -1])
+
+    def _run_step(self, rows: list[Resident], starts: list[int], tokens: list[int],
+                  adapters: list[str | None]) -> Tensor:
+        """Both stages for one token of each row (settled, in slot order, pages reserved), everything it adds
+        written into the pool: logits (B, V)."""
+        cache, positions = PagedCache(self.pool, rows, starts, 1), _positions(starts, 1)
+        with self.engine._rows(adapters), kernels.step_threads(self.free_cpus, self.chunk_threads or 1):
+            native = cache.native_decode(positions)
+            logits = native.step(self.model, tokens) if native is not None else None  # one call (ced/kernels)
+            if logits is None:
+                out = self.model.shared_stage(torch.tensor(tokens)[:, None], positions, cache)
+                self._keep_stream(rows, starts, out)
+                hidden = self.model.decoder_stage(out.stream, positions, out.selection, cache)
+                logits = self.model.lm_head(hidden[:, -1])
+        return logits
 
     # -- helpers ------------------------------------------------------------------------------------------------
 

@@ -46,8 +46,9 @@ def write_manifest(out_dir: Path, manifest: dict) -> Path:
     return path
 
 
-def read_manifest(engine_dir: str | Path, kind: str) -> dict:
-    """The manifest of `engine_dir`, checked for format, kind and the presence of every graph file it names."""
+def read_manifest(engine_dir: str | Path, kind: str, stages: tuple[str, ...] = STAGES) -> dict:
+    """The manifest of `engine_dir`, checked for format, kind and the presence of the graph of every stage in
+    `stages` and of its file."""
     engine_dir = Path(engine_dir)
     if not engine_dir.is_dir():
         raise EngineFileError(f"engine folder {engine_dir} does not exist (build it with `python -m engine_build "
@@ -64,10 +65,10 @@ def read_manifest(engine_dir: str | Path, kind: str) -> dict:
     if manifest.get("kind") != kind:
         raise EngineFileError(f"{path}: holds a {manifest.get('kind')!r} engine, expected {kind!r}")
     graphs = manifest.get("graphs", {})
-    missing = [stage for stage in STAGES if stage not in graphs]
+    missing = [stage for stage in stages if stage not in graphs]
     if missing:
-        raise EngineFileError(f"{path}: no graph for stage(s) {missing}")
-    for stage in STAGES:
+        raise EngineFileError(f"{path}: no graph for stage(s) {missing} (built by an older version? build it again)")
+    for stage in stages:
         file = engine_dir / graphs[stage]["file"]
         if not file.is_file():
             raise EngineFileError(f"{engine_dir}: the {stage} graph {graphs[stage]['file']} is missing")

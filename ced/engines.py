@@ -55,10 +55,10 @@ def ensure_onnx_engine(model_dir: str | Path, model=None) -> Path:
 def ensure_ced_onnx_engine(model_dir: str | Path, model: CEDForCausalLM | None = None) -> Path:
     """ensure_onnx_engine for the ced family."""
     from .model import CEDForCausalLM
-    from .onnx_export import export_engine
+    from .onnx_export import LAYOUT, export_engine
 
     model = model or CEDForCausalLM.from_pretrained(str(model_dir))
-    return build_once(default_engine_dir(model, "onnx"),
+    return build_once(default_engine_dir(model, f"onnx-{LAYOUT}"),
                       lambda scratch: export_engine(model_dir, scratch, progress=False))
 
 

@@ -228,22 +228,29 @@ class CEDAttention(nn.Module):
                 selected = (k_sel.permute(0, 3, 1, 2, 4), v_sel.permute(0, 3, 1, 2, 4), selection.valid)
             out = kernels.attend_one(q, keys, values, key_pos, positions, self.config.window, scale, selected)
             return self.o_proj(out), selection
-        local = torch.matmul(q, keys.transpose(-1, -2)) * scale  # (B, H, T, S)
-        distance = positions[:, :, None] - key_pos[:, None, :]  # (B, T, S)
-        local = local.masked_fill(((distance < 0) | (distance >= self.config.window))[:, None], NEG_INF)
-
-        if has_entries and selection is not None:
+        # The window may come in parts (keys, values and positions each a tuple): the pool graphs' cache hands the
+        # ring as it lies and this call's keys apart, where joining them would copy the ring every step.
+        parts = list(zip(*(part if isinstance(part, tuple) else (part,) for part in (keys, values, key_pos))))
+        scores = []
+        for part_keys, _, part_pos in parts:
+            local = torch.matmul(q, part_keys.transpose(-1, -2)) * scale  # (B, H, T, S)
+            distance = positions[:, :, None] - part_pos[:, None, :]  # (B, T, S)
+            scores.append(local.masked_fill(((distance < 0) | (distance >= self.config.window))[:, None], NEG_INF))
+        selected = has_entries and selection is not None
+        if selected:
             k_sel, v_sel = cache.gather(source, selection.idx)  # (B, T, k, H, D)
             # (B, H, T, k, D): one small matmul per (row, head, query); a view, not a copy, where the cache
             # gathers in this order (PagedCache)
             k_sel, v_sel = k_sel.permute(0, 3, 1, 2, 4), v_sel.permute(0, 3, 1, 2, 4)
             glob = torch.matmul(q.unsqueeze(-2), k_sel.transpose(-1, -2)).squeeze(-2) * scale  # (B, H, T, k)
-            glob = glob.masked_fill(~selection.valid[:, None], NEG_INF)
-            probs = torch.cat([local, glob], dim=-1).softmax(dim=-1)
-            out = torch.matmul(probs[..., :local.shape[-1]], values)  # (B, H, T, D)
-            out = out + torch.matmul(probs[..., local.shape[-1]:].unsqueeze(-2), v_sel).squeeze(-2)
-        else:
-            out = torch.matmul(local.softmax(dim=-1), values)
+            scores.append(glob.masked_fill(~selection.valid[:, None], NEG_INF))
+        probs = (torch.cat(scores, dim=-1) if len(scores) > 1 else scores[0]).softmax(dim=-1)
+        out, at = None, 0
+        for (_, part_values, _), local in zip(parts, scores):
+            term = torch.matmul(probs[..., at: at + local.shape[-1]], part_values)  # (B, H, T, D)
+            out, at = term if out is None else out + term, at + local.shape[-1]
+        if selected:
+            out = out + torch.matmul(probs[..., at:].unsqueeze(-2), v_sel).squeeze(-2)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), selection
 
 

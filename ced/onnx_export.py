@@ -10,7 +10,8 @@ Three graphs (see `onnx_stages.py` for what each computes):
 | replay.onnx | `run_decoder` + LM head from empty adapter-bound windows | positions, global entries, adapter slots, rank |
 | decode_step.onnx | the same with the adapter-bound windows as inputs (one decode step) | as replay, plus window lengths |
 
-Batch is 1 (one conversation per call, as the engine runs it); `row_slots` (1,) picks the adapter slot.
+Batch is 1 (one conversation per call, as OrtCEDEngine runs it); `row_slots` (1,) picks the adapter slot. Beside
+them, the serving engine's graphs over the paged pool, any number of rows per call (ced/pool_graphs.py).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from .engine_files import FORMAT, config_fingerprint, weights_fingerprint, write
 from .model import CEDForCausalLM
 
 from .onnx_stages import DecoderStage, PrefillStage, io_names, lora_modules
+from .pool_graphs import export_pool_graphs
 
 OPSET = 18
+LAYOUT = 2  # the graphs' set and inputs as this code feeds them: a cached build of another layout is not reused
 SAMPLE_T, _PAST, _ENTRIES, _PENDING = 5, 3, 2, 2  # sample lengths: all >= 2 so that export keeps them symbolic
 
 
@@ -52,10 +55,11 @@ def _samples(model: CEDForCausalLM, stage: str) -> tuple[list[torch.Tensor], lis
             return torch.rand(1, SAMPLE_T, K, generator=g) > 0.5, {1: "tokens"}
         raise AssertionError(f"no sample for input {name!r}")
 
-    return samples(model, io_names(model, stage)[0], c.vocab_size, own)
+    return samples(model, io_names(model, stage)[0], c.vocab_size, own, side_by_side=True)
 
 
-def samples(model, names: list[str], vocab_size: int, own) -> tuple[list[torch.Tensor], list[dict]]:
+def samples(model, names: list[str], vocab_size: int, own,
+            side_by_side: bool = False) -> tuple[list[torch.Tensor], list[dict]]:
     """Either family's sample inputs named `names` and, per input, its dynamic axes: the token ids, the start, the
     rows' adapter slots and the LoRA inputs here, the family's own state from `own(name, kind, suffix, rand, g)`
     (kind and suffix: the name split at its first "."). One seeded generator for all, in the names' order."""
@@ -71,7 +75,7 @@ def samples(model, names: list[str], vocab_size: int, own) -> tuple[list[torch.T
         elif name == "row_slots":
             t, d = torch.tensor([1]), {}
         elif kind in ("lora_a", "lora_b"):
-            t, d = lora_sample(model, kind, suffix, rand)
+            t, d = lora_sample(model, kind, suffix, rand, side_by_side)
         else:
             t, d = own(name, kind, suffix, rand, g)
         tensors.append(t)
@@ -79,12 +83,14 @@ def samples(model, names: list[str], vocab_size: int, own) -> tuple[list[torch.T
     return tensors, dims
 
 
-def lora_sample(model, kind: str, module: str, rand) -> tuple[torch.Tensor, dict]:
-    """A sample of a LoRA input of `module` (three slots of rank 4; kind lora_a or lora_b) and its dynamic axes, for
-    either family's graphs."""
+def lora_sample(model, kind: str, module: str, rand, side_by_side: bool = False) -> tuple[torch.Tensor, dict]:
+    """A sample of a LoRA input of `module` (three slots of rank 4; kind lora_a or lora_b) and its dynamic axes."""
     linear = model.get_submodule(module)
-    shape = (3, 4, linear.in_features) if kind == "lora_a" else (3, linear.out_features, 4)
-    return rand(*shape) * 0.01, {0: "slots", (1 if kind == "lora_a" else 2): "rank"}
+    if kind == "lora_a":
+        return rand(3, 4, linear.in_features) * 0.01, {0: "slots", 1: "rank"}
+    if side_by_side:  # the ced family's graphs take B as ced/lora.py's side_by_side
+        return rand(linear.out_features, 3 * 4) * 0.01, {1: "slot_ranks"}
+    return rand(3, linear.out_features, 4) * 0.01, {0: "slots", 2: "rank"}
 
 
 def export_stage(model: CEDForCausalLM, stage: str, path: Path, opset: int = OPSET,
@@ -130,8 +136,10 @@ def export_engine(model_dir: str | Path, out_dir: str | Path, opset: int = OPSET
         graphs[stage] = {"file": path.name, "inputs": inputs, "outputs": outputs, "dynamic_axes": axes}
         if progress:
             print(f"  {stage:<12} {path.stat().st_size / 2**20:7.1f} MiB  {time.perf_counter() - start:5.1f} s")
+    graphs.update(export_pool_graphs(model, out_dir, opset, progress))  # the serving engine's (OrtBatchedEngine)
     manifest = {
-        "format": FORMAT, "kind": "onnx", "family": "ced", "opset": opset, "exporter": exporter, "model_dir": str(model_dir),
+        "format": FORMAT, "kind": "onnx", "family": "ced", "layout": LAYOUT, "opset": opset, "exporter": exporter,
+        "model_dir": str(model_dir),
         "config": {k: list(v) if isinstance(v, tuple) else v for k, v in model.ced.to_dict().items()},
         "config_fingerprint": config_fingerprint(model.ced), "weights_fingerprint": weights_fingerprint(model),
         "lora_modules": lora_modules(model), "batch": 1, "graphs": graphs,

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from .adapters import placement_violation
-from .lora import lora_by_row, replace_linears
+from .lora import lora_by_row, replace_linears, slot_mask
 from .model import CEDForCausalLM
 from .state import ExportCache, Selection
 
@@ -54,9 +54,19 @@ def io_names(model: CEDForCausalLM, stage: str) -> tuple[list[str], list[str]]:
 class GraphLoRA:
     """The LoRA inputs of the call being traced: each adapted Linear's stacked (A, B) by name, and the rows' slots."""
 
-    def __init__(self):
+    def __init__(self, names: list[str]):
+        self.names = names  # the adapted Linears, in the graphs' input order
         self.weights: dict[str, tuple[Tensor, Tensor]] = {}
         self.slots: Tensor | None = None
+        self.own: Tensor | None = None  # the rows' slot_mask, made once per traced call
+
+    def mask(self, a: Tensor) -> Tensor:
+        if self.own is None:
+            self.own = slot_mask(self.slots, a.shape[0], a.shape[1], a.dtype)
+        return self.own
+
+    def clear(self) -> None:
+        self.weights, self.slots, self.own = {}, None, None
 
 
 class GraphLoRALinear(nn.Module):
@@ -71,7 +81,16 @@ class GraphLoRALinear(nn.Module):
         if self.lora.slots is None:
             return y
         a, b = self.lora.weights[self.name]
-        return lora_by_row(y, x, a, b, self.lora.slots)
+        return lora_by_row(y, x, a, b, self.lora.mask(a))
+
+
+def graph_lora_model(model: CEDForCausalLM) -> tuple[CEDForCausalLM, GraphLoRA]:
+    """A copy of `model` whose adaptable Linears take their LoRA from the returned GraphLoRA (the graph's inputs
+    while a call is traced); the caller's model stays as it was."""
+    lora = GraphLoRA(lora_modules(model))
+    copied = copy.deepcopy(model)
+    replace_linears(copied, set(lora.names).__contains__, lambda name, base: GraphLoRALinear(base, name, lora))
+    return copied, lora
 
 
 def _positions(start: Tensor, length) -> Tensor:
@@ -110,10 +129,7 @@ class DecoderStage(nn.Module):
         super().__init__()
         self.with_windows = with_windows
         self.names = io_names(model, "decode_step" if with_windows else "replay")[0]
-        self.lora, self.lora_names = GraphLoRA(), lora_modules(model)
-        self.model = copy.deepcopy(model)
-        replace_linears(self.model, set(self.lora_names).__contains__,
-                        lambda name, base: GraphLoRALinear(base, name, self.lora))
+        self.model, self.lora = graph_lora_model(model)
 
     def forward(self, *inputs: Tensor):
         c, E = self.model.ced, self.model.ced.decoder_start
@@ -125,13 +141,13 @@ class DecoderStage(nn.Module):
                    for i in c.adapter_bound_layers}
         cache = ExportCache(windows, {E: (get["global_k"], get["global_v"], get["index_keys"])}, {}, c.block_size,
                             c.window)
-        self.lora.weights = {name: (get[f"lora_a.{name}"], get[f"lora_b.{name}"]) for name in self.lora_names}
+        self.lora.weights = {name: (get[f"lora_a.{name}"], get[f"lora_b.{name}"]) for name in self.lora.names}
         self.lora.slots = get["row_slots"]
         try:
             hidden = self.model.decoder_stage(stream, _positions(get["start"], T),
                                               Selection(get["selection_idx"], get["selection_valid"]), cache,
                                               last_only=True)
         finally:
-            self.lora.weights, self.lora.slots = {}, None
+            self.lora.clear()
         logits = self.model.lm_head(hidden[:, -1])  # (B, V)
         return (logits,) + tuple(t for i in c.adapter_bound_layers for t in cache.windows[i])

@@ -2,8 +2,8 @@
 
 Everything else is `CEDEngine`: the conversation state (the same torch tensors, so the Triton state codec and the
 conversation store see no difference), the verbs, the adapter registry. LoRA slots stay in the registry's
-buffers and are fed to the decoder graphs on every call, so loading, replacing or unloading an adapter takes
-effect on the next call, with no re-export. The PyTorch model stays loaded beside the graphs: its buffers hold the
+buffers and are fed to the decoder graphs on every call (`LoRAInputs`), so loading, replacing or unloading an adapter
+takes effect on the next call, with no re-export. The PyTorch model stays loaded beside the graphs: its buffers hold the
 slots, the router reads its embeddings, and the evaluation-only `oracle` / `forward_batch` run it.
 """
 
@@ -17,6 +17,8 @@ from torch import Tensor
 
 from .engine import CEDEngine
 from .engine_files import STAGES, EngineFileError, check_matches, read_manifest
+from .lora import MultiLoRALinear, side_by_side
+from .pool_graphs import POOL_STAGES
 from .model import CEDForCausalLM, SharedOutput
 from .state import ConversationState, Selection
 
@@ -47,8 +49,27 @@ def open_session(engine_dir: Path, spec: dict, stage: str, threads: int):
     return session
 
 
+class LoRAInputs:
+    """The registry's LoRA slots as the ced family's graphs take them: each module's A as stored, its B side by side
+    (ced/lora.py), made again only after an adapter was loaded or unloaded, so a swap takes effect on the next call
+    with no re-export."""
+
+    def __init__(self, modules: list[tuple[str, MultiLoRALinear]]):
+        self.modules, self.made_at, self.feeds = modules, None, {}
+
+    def __call__(self) -> dict[str, Tensor]:
+        if self.made_at != MultiLoRALinear.changes:
+            self.made_at = MultiLoRALinear.changes
+            self.feeds = {}
+            for name, module in self.modules:
+                self.feeds[f"lora_a.{name}"] = module.lora_a
+                self.feeds[f"lora_b.{name}"] = side_by_side(module.lora_b).contiguous()
+        return self.feeds
+
+
 class OrtCEDEngine(CEDEngine):
     kind = "onnx"  # the manifest kind this engine runs
+    stages = STAGES + POOL_STAGES  # the graphs its folder must hold: its own and the serving engine's
 
     def __init__(self, model: CEDForCausalLM, engine_dir: str | Path, max_adapters: int = 8, max_rank: int = 16,
                  prefill_chunk: int = 256, threads: int | None = None):
@@ -56,11 +77,11 @@ class OrtCEDEngine(CEDEngine):
         # whatever dtype the checkpoint was saved in.
         super().__init__(model.float(), max_adapters, max_rank, prefill_chunk=prefill_chunk)
         self.engine_dir = Path(engine_dir)
-        self.manifest = read_manifest(self.engine_dir, self.kind)
+        self.manifest = read_manifest(self.engine_dir, self.kind, self.stages)
         if self.manifest.get("family", "ced") != "ced":  # builds before the field existed are the ced family's
             raise EngineFileError(f"{self.engine_dir}: built for the {self.manifest['family']!r} family, not ced")
         check_matches(self.manifest, self.config, self.model, list(self.adapters.modules), self.engine_dir)
-        self._lora = [(name, self.adapters.modules[name]) for name in self.manifest["lora_modules"]]
+        self.lora_inputs = LoRAInputs([(name, self.adapters.modules[name]) for name in self.manifest["lora_modules"]])
         self.sessions = {stage: self._open(stage, threads or torch.get_num_threads()) for stage in STAGES}
 
     def _open(self, stage: str, threads: int):
@@ -110,8 +131,7 @@ class OrtCEDEngine(CEDEngine):
         if stage == "decode_step":
             for i, window in windows.items():
                 feeds[f"window_k.{i}"], feeds[f"window_v.{i}"] = _np(window.k, ()), _np(window.v, ())
-        for name, module in self._lora:  # the registry's slot buffers as they are now: no re-export on a swap
-            feeds[f"lora_a.{name}"], feeds[f"lora_b.{name}"] = _np(module.lora_a, ()), _np(module.lora_b, ())
+        feeds.update({name: _np(value, ()) for name, value in self.lora_inputs().items()})
         out = self._run(stage, feeds)
         for i, window in windows.items():
             window.k, window.v = out[f"window_k_out.{i}"], out[f"window_v_out.{i}"]

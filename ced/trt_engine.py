@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .engine_files import EngineFileError
+from .engine_files import STAGES, EngineFileError
 from .ort_engine import OrtCEDEngine
 
 
@@ -32,6 +32,7 @@ def require_tensorrt() -> None:
 
 class TensorRTCEDEngine(OrtCEDEngine):
     kind = "tensorrt"
+    stages = STAGES  # built from the ONNX folder's batch-1 graphs only
 
     def _open(self, stage: str, threads: int):
         import tensorrt as trt

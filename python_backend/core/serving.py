@@ -12,6 +12,8 @@ import torch
 from ced.batched import BatchedEngine
 from ced.engine import CEDEngine
 from ced.engines import make_engine
+from ced.ort_batched import OrtBatchedEngine
+from ced.ort_engine import OrtCEDEngine
 from ced.row_engine import RowEngine
 from ced.tokenization import ChatTokenizer
 
@@ -60,8 +62,10 @@ class Served:
         return served
 
     def serving_engine(self, chunk_threads: int | None = None, capacity_bytes: int = 0) -> BatchedEngine | RowEngine:
-        """What the scheduler drives: the ced family's torch engine over its paged pool, batched; any other engine
-        (exported graphs, the deepseek_v41 family) a row at a time (ced/row_engine.py)."""
+        """What the scheduler drives: the ced family's engine over its paged pool, batched, on torch or on ONNX
+        Runtime's pool graphs; any other (TensorRT, the deepseek_v41 family) a row at a time (ced/row_engine.py)."""
+        if type(self.engine) is OrtCEDEngine:
+            return OrtBatchedEngine(self.engine, capacity_bytes=capacity_bytes, threads=self.settings.threads)
         if self.settings.engine == "torch" and isinstance(self.engine, CEDEngine):
             return BatchedEngine(self.engine, chunk_threads=chunk_threads, capacity_bytes=capacity_bytes)
         return RowEngine(self.engine)
