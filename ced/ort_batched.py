@@ -106,10 +106,15 @@ class OrtBatchedEngine(BatchedEngine):
         pool, m = self.pool, self.config.block_size
         slots = torch.tensor([row.slot for row in rows])
         ragged = None if min(lengths) == max(lengths) == out_length(out) else lengths
+        places = torch.tensor(starts) % pool.W if out_length(out) == 1 else None  # a step: one place a row
         for name, values in out.items():
             kind, _, layer = name.partition(".")
             if kind in ("new_k", "new_v"):
-                pool.write_window((pool.wk if kind == "new_k" else pool.wv)[int(layer)], slots, starts, values, ragged)
+                ring = (pool.wk if kind == "new_k" else pool.wv)[int(layer)]
+                if places is not None:
+                    ring[slots, :, places] = values[:, :, 0]
+                else:
+                    pool.write_window(ring, slots, starts, values, ragged)
         first_source = self.config.source_layers[0]
         if f"entry_k.{first_source}" not in out:
             return  # a replay: the decoder pools nothing
