@@ -7,7 +7,8 @@ port, which is behind `mol2 serve`'s guard; the single server's is tritonserver'
 guard cost 1.00-1.01x, benchmarks/README.md#guard_cost), interleaved with the others, plus a mol2_pair / mol2 ratio
 table. With `--pair`, ours also get min_tokens = max_tokens (PAIR_NOTE). With `--onnxruntime`, one more:
 `mol2_onnxruntime`, a second server on the exported ONNX graphs (`--engine onnxruntime`), whose turns run in the same
-scheduler a row per graph call (ced/row_engine.py), with a mol2_onnxruntime / mol2 ratio table. `--demo DIR`
+scheduler, a decode step one graph call for the batch (ced/ort_batched.py), with a mol2_onnxruntime / mol2 ratio
+table. `--demo DIR`
 serves another demo, as `mol2 serve --demo` (e.g. models/demo-v41, the deepseek_v41 family); every row carries its
 `family`; vLLM and llama.cpp run only beside the ced family (their CPU builds do not run the V4.1 layout).
 
@@ -564,7 +565,7 @@ def plot(rows: list[dict], path: str) -> None:
         plot_contention(axes[3], rows, contended)
     engines = sorted({r["engine"] for r in rows}, key=list(colours).index)
     names = {"mol2": "mol2 (tritonserver, demo)", "mol2_pair": "mol2_pair (disaggregated)",
-             "mol2_onnxruntime": "mol2_onnxruntime (exported graphs, a row per call)",
+             "mol2_onnxruntime": "mol2_onnxruntime (exported graphs, batched)",
              "vllm": "vLLM CPU (same size Llama)", "llamacpp": "llama.cpp (same Llama, GGUF bf16)"}
     figure.suptitle(f"serving: {' vs '.join(names[e] for e in engines)}, {MAX_TOKENS} tokens a turn")
     save_figure(figure, path)

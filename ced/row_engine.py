@@ -1,5 +1,6 @@
 """The serving engine's verbs (BatchedEngine's) over an engine that runs one conversation per call and has
-CEDEngine's interface: the exported graphs (ONNX Runtime, TensorRT) and the deepseek_v41 family's V41Engine. The
+CEDEngine's interface: TensorRT's plans, the deepseek_v41 family's V41Engine and OrtV41Engine (the ced family on
+ONNX Runtime has a batched engine of its own, ced/ort_batched.py). The
 scheduler drives either kind, so a turn runs in one loop whatever runs the model: admission, the prefix cache,
 streaming, cancellation, the journal.
 

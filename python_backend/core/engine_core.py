@@ -13,7 +13,7 @@ the core answers with lists of typed events (python_backend/core/events.py: Toke
 per decode step and per iteration (Outbox).
 The router still runs between the adapter-free stage and the decoder inside the request: the scheduler routes a
 turn on its pooled H19 when its prefill ends. With `--engine onnxruntime` (or tensorrt) the scheduler is the same;
-it drives the exported graphs a row at a time (ced/row_engine.py).
+it drives ONNX Runtime's pool graphs batched (ced/ort_batched.py), TensorRT's a row at a time (ced/row_engine.py).
 
 Run as `python -m python_backend.core.engine_core FD_IN FD_OUT` (the stub's pipes); the first message is
 ("init", the model's parameters), answered by ("ready", model dir) or ("failed", traceback).

@@ -4,7 +4,7 @@ that came while its responder was busy; else one aggregated response) for the re
 text (python_backend/triton/front.py).
 
 Every request is a handed turn of the scheduler (python_backend/core/scheduler.py), which replays and decodes all
-of them together, each under its own adapter (in one batch on the torch engine, a row at a time on exported graphs):
+of them together, each under its own adapter (in one batch on torch and ONNX Runtime, a row at a time on TensorRT):
 `execute` checks and hands over, the scheduler's thread queues each turn's responses and a responder thread sends
 them (a send waits for Triton's process: 16 of those a step held up the decode step).
 
