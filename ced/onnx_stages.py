@@ -6,8 +6,9 @@ zero) and the updated state goes out as graph outputs. The arithmetic is the mod
 data-dependent branches the cache's `graph` flag selects their graph form (a selection that always has top_k
 slots, masks where the eager path skips work).
 
-Multi-LoRA is a graph input: per adapted Linear a stacked A (S, r, in) and B (S, out, r) (scaling folded into B,
-as `ced/lora.py` stores them) and one slot per batch row (-1 = no adapter), so one graph serves any adapter set.
+Multi-LoRA is a graph input: per adapted Linear the slots' stacked A (S, r, in) and their B side by side
+(out, S * r; scaling folded into B, `ced/lora.py`'s `side_by_side`) and one slot per batch row (-1 = no adapter),
+so one graph serves any adapter set.
 The wrapped model is the plain `CEDForCausalLM`; weights become graph initializers.
 """
 

@@ -68,9 +68,10 @@ class PoolGraphCache:
         self.new_windows[layer] = (k, v)
         if layer not in self.rings:
             return k, v, positions
-        ring_k, ring_v = self.rings[layer]  # the place this call's first position overwrites holds one W back:
-        return (ring_k, k), (ring_v, v), (self.ring_positions, positions)  # out of the window, masked. In parts:
-        # the model joins their scores, not the ring (ced/model.py)
+        ring_k, ring_v = self.rings[layer]
+        # In two parts: the model joins their scores, not the ring (ced/model.py). A place the call's positions will
+        # take holds one W or more back, out of their window: masked.
+        return (ring_k, k), (ring_v, v), (self.ring_positions, positions)
 
     def compress(self, layer: int, xn: Tensor, pool: PoolBlocks) -> None:
         """Pool the blocks from each row's open one on: its held inputs (at most m - 1), then this call's T; so
