@@ -82,9 +82,15 @@ class SamplingParams:
                 or self.min_tokens > 0)
 
     @property
+    def greedy(self) -> bool:
+        """The most likely token (of those a grammar allows, where one applies): no temperature, shaping or
+        logprobs."""
+        return self.temperature == 0 and not self.shapes_logits and self.logprobs is None
+
+    @property
     def plain_greedy(self) -> bool:
         """The most likely token, nothing else: no temperature, shaping, grammar or logprobs."""
-        return self.temperature == 0 and not self.shapes_logits and self.grammar is None and self.logprobs is None
+        return self.greedy and self.grammar is None
 
 
 @dataclass

@@ -4,6 +4,7 @@ depend on the rows beside it."""
 import contextlib
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -144,6 +145,29 @@ def test_argmax_rows_picks_what_torch_argmax_picks(width):
     assert kernels.argmax_rows(strided) == strided.argmax(dim=1).tolist()
     with kernels.turned_off():  # torch's own, where the kernels are off
         assert kernels.argmax_rows(rows) == rows.argmax(dim=1).tolist()
+
+
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 8192, 8195])
+def test_argmax_allowed_picks_what_torch_argmax_of_the_masked_copy_picks(width):
+    """xgrammar's bitmask layout (bit j of word w: token 32 w + j), the forbidden tokens at -inf in the copy."""
+    g = torch.Generator().manual_seed(width)
+    cases = []
+    for density in (1.0, 0.5, 0.02, 0.0):
+        for values in ("random", "ties", "nan", "-inf"):
+            logits = torch.randn(width, generator=g)
+            if values == "ties":
+                logits = logits.round()
+            elif values == "nan":
+                logits[torch.randint(0, width, (2,), generator=g)] = float("nan")
+            elif values == "-inf":
+                logits[:] = float("-inf")
+            cases.append((logits, torch.rand(-(-width // 32) * 32, generator=g) < density))
+    for logits, flags in cases:
+        bits = torch.from_numpy(np.packbits(flags.numpy(), bitorder="little").view(np.int32).copy())
+        masked = torch.where(flags[:width], logits, torch.tensor(float("-inf")))
+        assert kernels.argmax_allowed(logits, bits) == int(masked.argmax()), (flags[:width].sum(), logits)
+    with kernels.turned_off():
+        assert kernels.argmax_allowed(logits, bits) is None  # the caller's masked copy then
 
 
 def test_the_kernels_stay_off_where_gradients_or_chunks_flow():

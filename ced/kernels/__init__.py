@@ -183,6 +183,7 @@ def _load() -> ctypes.CDLL | None:
         "linear": (_c_int, [spec, _ptr, _c_long, _c_int, _ptr, _ptr, _c_long]),
         "rms_norm": (None, [_ptr, _c_int, _c_long, _ptr, ctypes.c_float, _ptr]),
         "argmax_rows": (None, [_ptr, _c_long, _c_long, _ptr]),
+        "argmax_allowed": (_c_long, [_ptr, _ptr, _c_long]),
         "swiglu_block": (_c_int, [_ptr, _c_int, _ptr, ctypes.c_float, spec, spec, spec, _ptr, _ptr]),
         "attend_one": (None, [_ptr, _c_int, _c_long, _c_long, _ptr, _ptr, _c_long, _c_long, _c_long, _ptr,
                               _c_long, _ptr, _c_long, _ptr, _ptr, _ptr, _c_long, ctypes.c_float, _ptr]),
@@ -338,6 +339,16 @@ def argmax_rows(logits: Tensor) -> list[int]:
     rows = (ctypes.c_long * B)()
     _LIB.argmax_rows(logits.data_ptr(), B, logits.shape[-1], rows)
     return rows[:]
+
+
+def argmax_allowed(logits: Tensor, allowed: Tensor) -> int | None:
+    """The argmax of logits (V,) over the tokens `allowed` (an int32 token bitmask, xgrammar's layout) lets through,
+    as torch.argmax picks it from a copy with the others at -inf; None where the kernels are not usable."""
+    if not (logits.is_contiguous() and logits.dtype is torch.float32 and logits.is_cpu and logits.dim() == 1
+            and allowed.is_contiguous() and allowed.dtype is torch.int32 and allowed.numel() * 32 >= logits.numel()
+            and usable()):
+        return None
+    return _LIB.argmax_allowed(logits.data_ptr(), allowed.data_ptr(), logits.numel())
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -447,15 +447,18 @@ class Scheduler:
             return
         stops, sampling = turn.sampling.stop_token_ids, turn.sampling
         try:
-            if sampling.grammar is not None:  # a copy of the logits, what the grammar forbids at -inf
+            if sampling.grammar is not None:
                 turn.grammar = turn.grammar or self.grammars.matcher(sampling.grammar)
                 left = min(turn.max_tokens - len(turn.generated), self.engine.config.max_context - turn.row.length)
-                logits = turn.grammar.mask(logits, left)
+                if sampling.greedy:  # the most likely token it allows, no masked copy
+                    most_likely = turn.grammar.greedy(logits, left)
+                else:  # a copy of the logits, what the grammar forbids at -inf
+                    logits = turn.grammar.mask(logits, left)
             history = ()
             if sampling.shapes_logits:  # penalties or min_tokens: they read the conversation's tokens
                 eos = () if turn.ignore_eos else self.tokenizer.stop_ids
                 history = (turn.row.tokens, turn.generated, set(eos) | set(stops))
-            if most_likely is not None and sampling.plain_greedy:
+            if most_likely is not None and sampling.greedy:
                 token = most_likely
             elif sampling.logprobs is None:
                 token = sample(logits, sampling, turn.generator, *history)

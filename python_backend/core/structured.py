@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ced import kernels
 from ced.tokenization import TOOL_CALL, ChatTokenizer
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_call")
@@ -189,15 +190,25 @@ class RowGrammar:
         if self.extra is not None:
             self.bitmask &= self.extra
 
-    def mask(self, logits: Tensor, tokens_left: int | None = None) -> Tensor:
-        """A copy of `logits` (V,) with every token the grammar forbids next at -inf; a JSON row with
-        `tokens_left` <= CLOSING_RESERVE also loses the tokens that do not close or separate, where it may."""
-        bitmask = self.bitmask
+    def allowed(self, tokens_left: int | None = None) -> Tensor:
+        """The tokens the grammar allows next (a bitmask (1, ceil(V / 32))); a JSON row with `tokens_left` <=
+        CLOSING_RESERVE loses those that do not close or separate, where it may."""
         if self.extra is not None and tokens_left is not None and tokens_left <= CLOSING_RESERVE:
-            bitmask = self._closing(bitmask)
+            return self._closing(self.bitmask)
+        return self.bitmask
+
+    def mask(self, logits: Tensor, tokens_left: int | None = None, allowed: Tensor | None = None) -> Tensor:
+        """A copy of `logits` (V,) with every token the grammar forbids next (not in `allowed`) at -inf."""
         masked = logits.float().clone()
-        self._xgr.apply_token_bitmask_inplace(masked, bitmask)
+        self._xgr.apply_token_bitmask_inplace(masked, self.allowed(tokens_left) if allowed is None else allowed)
         return masked
+
+    def greedy(self, logits: Tensor, tokens_left: int | None = None) -> int:
+        """The most likely token the grammar allows: the argmax of `mask`'s copy, without making it (one native
+        pass, ~2 us; the copy, xgrammar's mask and torch's argmax took ~45 us a row a step)."""
+        allowed = self.allowed(tokens_left)
+        token = kernels.argmax_allowed(logits, allowed[0])
+        return int(self.mask(logits, allowed=allowed).argmax()) if token is None else token
 
     def _closing(self, bitmask: Tensor) -> Tensor:
         """The allowed tokens narrowed to those that end the JSON soonest (the module's doc)."""

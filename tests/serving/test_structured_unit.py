@@ -98,6 +98,7 @@ def test_a_json_row_closes_before_its_budget_ends():
     out = []
     for left in range(64, 0, -1):
         token = int(row.mask(logits, left).argmax())
+        assert row.greedy(logits, left) == token  # the allowed tokens' argmax, no masked copy: the same pick
         row.accept(token)
         out.append(token)
         if row.done:
