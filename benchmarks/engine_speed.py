@@ -4,9 +4,11 @@ Every engine serves the demo (the one every command uses, ced/demo.py; or --mode
 and decode run under one of them. Engines: `torch` (CEDEngine, one conversation's objects), `torch_serving` (the
 BatchedEngine the server runs, over its paged pool, one row, with the native decode kernels of ced/kernels),
 `torch_serving_no_kernels` (the same engine with the kernels turned off: torch's arithmetic), `onnxruntime` (and
-`tensorrt`). A `deepseek_v41` model (`--model models/demo-v41/model`) has three: `torch_serving` (V41Engine, which the
-server runs, its prefill chunks, replays and decode steps one native call each), `torch` (the same engine with the
-kernels off) and `onnxruntime` (OrtV41Engine on the family's exported graphs, ced/deepseek_v41/onnx_export.py).
+`tensorrt`), `onnxruntime_serving` (the server's engine on ONNX Runtime, ced/ort_batched.py: the same pool, its model
+calls the pool graphs). A `deepseek_v41` model (`--model models/demo-v41/model`) has three: `torch_serving`
+(V41Engine, which the server runs, its prefill chunks, replays and decode steps one native call each), `torch` (the
+same engine with the kernels off) and `onnxruntime` (OrtV41Engine on the family's exported graphs,
+ced/deepseek_v41/onnx_export.py).
 Each repeat times every engine in turn on the same work, so drift of the machine spreads over all rows:
 
 - prefill: a fresh conversation's `--context` tokens through the adapter-free stage (chunks of 256);
@@ -35,6 +37,7 @@ from tqdm import tqdm
 
 from ced import kernels
 from ced.batched import BatchedEngine
+from ced.ort_batched import OrtBatchedEngine
 from ced.engines import make_engine
 from ced.families import family_of
 
@@ -46,12 +49,12 @@ ADAPTERS = ("chat", "agent", "coding", "design")
 
 
 class ServingEngine:
-    """The server's engine (BatchedEngine over the paged pool) behind the serial verbs this benchmark calls, one
-    row at a time; `native=False` runs it with the kernels turned off."""
+    """The server's engine (a BatchedEngine over the paged pool, on torch or ONNX Runtime) behind the serial verbs
+    this benchmark calls, one row at a time; `native=False` runs it with the kernels turned off."""
 
-    def __init__(self, engine, threads: int, native: bool = True):
-        self.batched = BatchedEngine(engine, chunk_threads=threads)
-        self.config, self.adapters = engine.config, engine.adapters
+    def __init__(self, batched: BatchedEngine, native: bool = True):
+        self.batched = batched
+        self.config, self.adapters = batched.config, batched.adapters
         self.native, self._row = native, None
 
     def _mode(self):
@@ -247,10 +250,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    "onnxruntime": make_engine("onnxruntime", args.model, engine_dir=args.onnx_dir,
                                               threads=args.threads)}
     else:
-        engines = {"torch": make_engine("torch", args.model), "torch_serving": ServingEngine(serving, cpus),
-                   "torch_serving_no_kernels": ServingEngine(serving, cpus, native=False),
-                   "onnxruntime": make_engine("onnxruntime", args.model, engine_dir=args.onnx_dir,
-                                              threads=args.threads)}
+        exported = make_engine("onnxruntime", args.model, engine_dir=args.onnx_dir, threads=args.threads)
+        engines = {"torch": make_engine("torch", args.model),
+                   "torch_serving": ServingEngine(BatchedEngine(serving, chunk_threads=cpus)),
+                   "torch_serving_no_kernels": ServingEngine(BatchedEngine(serving, chunk_threads=cpus), native=False),
+                   "onnxruntime": exported,
+                   "onnxruntime_serving": ServingEngine(OrtBatchedEngine(exported, threads=args.threads))}
     if args.trt_dir:
         engines["tensorrt"] = make_engine("tensorrt", args.model, engine_dir=args.trt_dir)
     adapters = [name for name in ADAPTERS if (args.model.parent / "adapters" / name).is_dir()]
