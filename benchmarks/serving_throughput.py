@@ -115,6 +115,12 @@ def mol2_send(client: load.Mol2Client, min_tokens: bool = False) -> Send:
         text, adapter, max_tokens, end_conversation=True, record=record, min_tokens=max_tokens if min_tokens else None)
 
 
+def interval_note(args: argparse.Namespace) -> str:
+    if not (args.pair and args.stream_interval_ms):
+        return ""
+    return f"; the pair streams with --stream-interval-ms {args.stream_interval_ms:g} (its turns' tokens gathered)"
+
+
 PAIR_NOTE = ("with --pair every mol2 request also carries min_tokens = max_tokens: a pair's relay passes min_tokens on "
              "to its decode server but not ignore_eos, so without it the pair's turns stop at the model's stop token "
              "and do less work than the single server's")
@@ -623,6 +629,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--pair", action="store_true",
                         help="also start a disaggregated pair (mol2 serve --role decode / --role prefill) and measure "
                              "it as engine mol2_pair, interleaved with the others")
+    parser.add_argument("--stream-interval-ms", type=float, default=None,
+                        help="with --pair: the pair's mol2 serve --stream-interval-ms (default: its own, 0)")
     parser.add_argument("--demo", default=None,
                         help="serve this demo folder, as `mol2 serve --demo` (e.g. models/demo-v41; default: the "
                              "demo every command uses); every row carries its `family`. vLLM and llama.cpp run only "
@@ -689,7 +697,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if args.pair:
             prefill, decode = stack.enter_context(load.demo_pair(
                 "serving_throughput_pair", ["--engine", args.engine, "--max-prompt-tokens", max_prompt,
-                                            *(["--demo", args.demo] if args.demo else [])]))
+                                            *(["--demo", args.demo] if args.demo else []),
+                                            *([] if args.stream_interval_ms is None else
+                                              ["--stream-interval-ms", str(args.stream_interval_ms)])]))
             # a request that hears nothing for 5 minutes fails (not 15): a stalled pair costs a cell, not the run
             clients["mol2_pair"] = load.Mol2Client(f"http://{prefill.http_url}", timeout=300.0)
             served["mol2_pair"] = [f"http://{prefill.http_url}", f"http://{decode.http_url}"]
@@ -727,7 +737,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"\n{MAX_TOKENS} tokens a turn, short prompts (each turn a new conversation: ours ends it with "
           f"end_conversation, vLLM's completions are stateless), cells of {cell_s:.0f} s, engines interleaved; "
           f"ignore_eos: {'; '.join(notes) or 'sent to all'}; load average (1, 5, 15 min) beside each row"
-          f"{'; ' + PAIR_NOTE if args.pair else ''}\n")
+          f"{'; ' + PAIR_NOTE if args.pair else ''}{interval_note(args)}\n")
     for row in rows:
         row["family"] = family
     columns = COLUMNS + (["restarts"] if any(r.get("restarts") is not None for r in rows) else []) + \

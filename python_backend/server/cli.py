@@ -74,6 +74,10 @@ def add_serve(commands, **options) -> None:
     parser.add_argument("--max-store-bytes", help="bytes the store keeps, e.g. 8G; a new conversation over it is "
                                                   "refused (default 8G; 0: no limit)")
     parser.add_argument("--idle-timeout-s", type=float, help="a conversation idle this long ends (default 3600)")
+    parser.add_argument("--stream-interval-ms", type=float,
+                        help="--role decode: a turn's streamed tokens go out at most this often, those between "
+                             "gathered into one response (default 0: each as soon as it can). Fewer messages a token "
+                             "on both hops of a pair, each token up to this much later (docs/disaggregated.md)")
     # left None here, filled from guard.GuardLimits when serving (the guard imports aiohttp: not for --help)
     parser.add_argument("--max-body-bytes", type=limits.parse_size,
                         help="largest HTTP request body, on the Triton and the OpenAI port; larger ones get 413 (default 4M)")

@@ -121,6 +121,19 @@ def limit_settings(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
+def stream_settings(args: argparse.Namespace) -> dict[str, str]:
+    """MOL2_STREAM_INTERVAL_MS for the decode model, checked here once (python_backend/triton/decode_model.py)."""
+    if args.stream_interval_ms is None:
+        return {}
+    from ..core.settings import stream_interval_s
+
+    try:
+        stream_interval_s(str(args.stream_interval_ms))
+    except ValueError as error:
+        raise SystemExit(f"mol2 serve: --{error}".replace("stream_interval_ms", "stream-interval-ms")) from None
+    return {"MOL2_STREAM_INTERVAL_MS": str(args.stream_interval_ms)}
+
+
 def hold(args: argparse.Namespace, public: Ports) -> StoreHold | None:
     """The store, for this server's life (a decode server keeps none)."""
     if args.role == "decode":
@@ -177,7 +190,7 @@ def serve(args: argparse.Namespace) -> None:
     model_dir = prepare_demo(args.demo)
     Path(args.log).parent.mkdir(parents=True, exist_ok=True)
     repository, extra_args = role_repository(args)
-    env = {**engine_settings(args, model_dir), **secret_settings(args), **limit_env}
+    env = {**engine_settings(args, model_dir), **secret_settings(args), **limit_env, **stream_settings(args)}
     if "MOL2_MODEL_DIR" in env:  # the OpenAI front end, in this process, resolves the model as the engine does
         os.environ["MOL2_MODEL_DIR"] = env["MOL2_MODEL_DIR"]
     adapter_set = os.environ.get("MOL2_ADAPTER_SET") or model_dir.parent / "adapter_set.json"

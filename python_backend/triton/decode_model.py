@@ -1,7 +1,7 @@
 """The `decode` Triton model (decoupled): maps the transfer's adapter hash through this server's registry, replays W
 positions under that adapter, then streams token ids (a response per token with `stream`, or one for the several
-that came while its responder was busy; else one aggregated response) for the relay on the prefill server to turn into
-text (python_backend/triton/front.py).
+that came while its responder was busy, or within `stream_interval_ms` of a turn's last response; else one aggregated
+response) for the relay on the prefill server to turn into text (python_backend/triton/front.py).
 
 Every request is a handed turn of the scheduler (python_backend/core/scheduler.py), which replays and decodes all
 of them together, each under its own adapter (in one batch on torch and ONNX Runtime, a row at a time on TensorRT):
@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import queue
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 
@@ -37,7 +38,7 @@ from ..core.routing import BASE_NAME, RouteDecision
 from ..core.scheduler import CancelledTurn, Scheduler, Turn
 from ..core.seal import DECODE, RETURNED, Sealer, decode_fields, returned_fields
 from ..core.serving import Served
-from ..core.settings import ServingSettings, triton_parameters
+from ..core.settings import ServingSettings, stream_interval_s, triton_parameters
 from ..core.transfer import TransferMeta
 from .metrics import Counters
 from .triton_io import (Every, Outputs, as_scalar, as_text, failure_response, optional, requested_outputs,
@@ -77,6 +78,7 @@ class DecodeModel:
                                          cache_bytes(triton_parameters(model_config).get("transfer_cache_mb", "auto")),
                                          self.counters.count)
         self.sealer = Sealer.from_environment()
+        self.stream_interval_s = stream_interval_s(triton_parameters(model_config).get("stream_interval_ms", "auto"))
         self._answered = threading.Condition()
         self._outstanding = 0  # handed turns not answered yet
         # what HandedSink queues: each turn's responses, sent in order by the one responder thread
@@ -191,22 +193,33 @@ class HandedSink:
         self._final = False
         self._unsent: list[tuple[int, list | None]] = []  # (token, its logprobs entry) not sent yet
         self._flush_queued = False
+        self._hold_until = 0.0  # tokens before then wait for the next response (`stream_interval_s`)
         self._ask = Every()  # Triton is asked at most every CANCEL_CHECK_S
 
     # The scheduler's thread calls these; what they send is queued for the model's responder (DecodeModel._respond),
     # with what they read of the turn taken now. Tokens wait in `_unsent` until the responder sends them: one
     # response for all that came while it was busy, so a responder that falls behind sends fewer, fuller responses.
+    # With a stream interval a turn's tokens also wait that long after its last response: fewer messages a token
+    # on both hops of a pair, each a few tokens later.
 
     def token(self, token: int, turn: Turn) -> None:
         with self._lock:
             self._unsent.append((token, token_logprobs(turn, turn.logprobs[-1:])))
-            if self._flush_queued:
+            if self._flush_queued or (self.model.stream_interval_s and time.monotonic() < self._hold_until):
                 return
             self._flush_queued = True
-        self.model._responses.put(lambda: self._send_tokens(turn.decision.adapter, turn.replayed))
+            self._hold_until = time.monotonic() + self.model.stream_interval_s
+        self._queue_flush(turn)
 
     def finished(self, turn: Turn) -> None:
+        with self._lock:  # tokens held by the stream interval go before the end
+            held, self._flush_queued = bool(self._unsent) and not self._flush_queued, True
+        if held:
+            self._queue_flush(turn)
         self.model._responses.put(lambda: self._finished(turn))
+
+    def _queue_flush(self, turn: Turn) -> None:
+        self.model._responses.put(lambda: self._send_tokens(turn.decision.adapter, turn.replayed))
 
     def failed(self, error: Exception, turn: Turn) -> None:
         self.model._responses.put(lambda: self._failed(error))

@@ -351,6 +351,27 @@ def test_decode_batches_the_turns_it_is_handed(pb, config):
     model.finalize()
 
 
+def test_decode_holds_a_turns_tokens_for_its_stream_interval(pb, config, monkeypatch):
+    """`mol2 serve --stream-interval-ms`: after a turn's first response its tokens wait out the interval, gathered
+    into the next response; those still held when the turn ends go out before its last response. Nothing is lost."""
+    monkeypatch.setenv("MOL2_STREAM_INTERVAL_MS", "60000")
+    model = DecodeModel(pb, config("decode"))
+    assert model.stream_interval_s == 60.0
+    request = decode_request(pb, config, "h1", ("_ids", "_fresh", "_last", "output_tokens"), stream=True)
+    model.execute([request])
+    assert model.idle()
+    *tokens, (last, final) = request.sender.sent
+    # the first token's response, then one more at most: the tokens held (sent with the first where the responder
+    # had not sent it yet when they came)
+    assert 1 <= len(tokens) <= 2 and all(flags == 0 for _, flags in tokens) and final == FINAL
+    assert sum(int(response.tensors["_fresh"][0]) for response, _ in tokens) == 3
+    assert last.tensors["output_tokens"].tolist() == [3]
+    model.finalize()
+    monkeypatch.setenv("MOL2_STREAM_INTERVAL_MS", "-5")
+    with pytest.raises(ValueError, match="stream_interval_ms must be a finite number >= 0"):
+        DecodeModel(pb, config("decode"))
+
+
 def test_decode_coalesces_the_tokens_that_wait_for_its_responder(pb, config):
     """The scheduler's thread only queues a handed turn's responses; the tokens that come while the responder is
     busy go out as one response (their `_fresh` count), so a responder that falls behind sends fewer, fuller ones."""
