@@ -200,7 +200,7 @@ class HandedSink:
     # with what they read of the turn taken now. Tokens wait in `_unsent` until the responder sends them: one
     # response for all that came while it was busy, so a responder that falls behind sends fewer, fuller responses.
     # With a stream interval a turn's tokens also wait that long after its last response: fewer messages a token
-    # on both hops of a pair, each a few tokens later.
+    # on both hops of a pair, each token up to the interval later.
 
     def token(self, token: int, turn: Turn) -> None:
         with self._lock:
