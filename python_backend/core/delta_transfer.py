@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import secrets
 import threading
 from collections import OrderedDict
@@ -41,6 +40,7 @@ from ced.config import CEDConfig
 from ced.families import family_of_config
 from ced.state import ConversationState, dense
 
+from .settings import number_setting
 from .transfer import (TransferError, _checksum, _read_metadata, config_fingerprint, decode_state, encode_state,
                        read_checked, record_delta, state_tensors)
 
@@ -222,15 +222,7 @@ def no_count(*args, **labels) -> None:
 
 def cache_bytes(value: str = "auto") -> int:
     """The decode cache's limit: the `transfer_cache_mb` config parameter, else MOL2_TRANSFER_CACHE_MB, else 256."""
-    if value in ("auto", ""):
-        value = os.environ.get("MOL2_TRANSFER_CACHE_MB", str(DEFAULT_CACHE_MB))
-    try:
-        megabytes = float(value)
-    except ValueError:
-        raise ValueError(f"transfer_cache_mb must be a number of megabytes, got {value!r}") from None
-    if not 0 <= megabytes < float("inf"):  # NaN fails this too
-        raise ValueError(f"transfer_cache_mb must be a finite number >= 0, got {value!r}")
-    return int(megabytes * 2**20)
+    return int(number_setting("transfer_cache_mb", value, str(DEFAULT_CACHE_MB), "megabytes") * 2**20)
 
 
 @dataclass

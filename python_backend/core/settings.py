@@ -91,15 +91,21 @@ def triton_parameters(model_config: dict) -> dict[str, str]:
     return {name: value["string_value"] for name, value in model_config.get("parameters", {}).items()}
 
 
+def number_setting(name: str, value: str, default: str, unit: str) -> float:
+    """A model's numeric config parameter `name`: `value`, or where that is "auto" (or empty) MOL2_<NAME>, else
+    `default`; refused unless a finite number >= 0 (of `unit`, as the message says)."""
+    if value in ("auto", ""):
+        value = os.environ.get(f"MOL2_{name.upper()}", default)
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of {unit}, got {value!r}") from None
+    if not 0 <= number < float("inf"):  # NaN fails this too
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return number
+
+
 def stream_interval_s(value: str = "auto") -> float:
     """The least time between two streamed responses of a turn: the `stream_interval_ms` config parameter, else
     MOL2_STREAM_INTERVAL_MS (`mol2 serve --stream-interval-ms`), else 0 (each token as soon as the responder can)."""
-    if value in ("auto", ""):
-        value = os.environ.get("MOL2_STREAM_INTERVAL_MS", "0")
-    try:
-        milliseconds = float(value)
-    except ValueError:
-        raise ValueError(f"stream_interval_ms must be a number of milliseconds, got {value!r}") from None
-    if not 0 <= milliseconds < float("inf"):  # NaN fails this too
-        raise ValueError(f"stream_interval_ms must be a finite number >= 0, got {value!r}")
-    return milliseconds / 1e3
+    return number_setting("stream_interval_ms", value, "0", "milliseconds") / 1e3
