@@ -14,7 +14,6 @@ import torch
 from torch import Tensor
 
 from .batched import BatchedEngine
-from .engine_files import EngineFileError
 from .model import SharedOutput
 from .ort_engine import OrtCEDEngine, open_session
 from .paged import Resident
@@ -28,15 +27,15 @@ class OrtBatchedEngine(BatchedEngine):
     def __init__(self, engine: OrtCEDEngine, page_entries: int = 64, capacity_bytes: int = 0,
                  threads: int | None = None):
         super().__init__(engine, page_entries, capacity_bytes=capacity_bytes)
-        graphs = engine.manifest["graphs"]
-        missing = [stage for stage in POOL_STAGES if stage not in graphs]
-        if missing:
-            raise EngineFileError(f"{engine.engine_dir}: no graph for stage(s) {missing}, which the batched engine "
-                                  "runs (built before they existed: build the folder again)")
+        graphs = engine.manifest["graphs"]  # OrtCEDEngine refused a folder without them
         threads = threads or torch.get_num_threads()
         self.sessions = {stage: open_session(engine.engine_dir, graphs[stage], stage, threads) for stage in POOL_STAGES}
-        self.inputs = {stage: graphs[stage]["inputs"] for stage in POOL_STAGES}  # checked against the files'
         self.outputs = {stage: graphs[stage]["outputs"] for stage in POOL_STAGES}
+        # each stage's inputs read from the pool, (name, kind, layer or source), parsed once (the files' own names)
+        self.pool_inputs = {stage: [(name, kind, int(suffix)) for name in graphs[stage]["inputs"]
+                                    for kind, _, suffix in [name.partition(".")]
+                                    if kind in ("pages_k", "pages_v", "pages_i", "ring_k", "ring_v", "pending")]
+                            for stage in POOL_STAGES}
 
     # -- the model's calls -----------------------------------------------------------------------------------
 
@@ -45,7 +44,7 @@ class OrtBatchedEngine(BatchedEngine):
         T = ids.shape[1]
         feeds = {"input_ids": ids, **self._pool_feeds("pool_prefill", rows, starts, T)}
         out = self._run("pool_prefill", feeds)
-        self._write(rows, starts, lengths or [T] * len(rows), out)
+        self._write(rows, starts, lengths or [T] * len(rows), out, feeds["table"])
         return SharedOutput(out["h19"], out["stream"], Selection(out["selection_idx"], out["selection_valid"]))
 
     def _run_replay(self, rows: list[Resident], starts: list[int], stream: Tensor, selection: Selection,
@@ -54,7 +53,7 @@ class OrtBatchedEngine(BatchedEngine):
         feeds = {"stream": stream, "selection_idx": selection.idx, "selection_valid": selection.valid,
                  **self._pool_feeds("pool_replay", rows, starts, n), **self._lora_feeds(adapters)}
         out = self._run("pool_replay", feeds)
-        self._write(rows, starts, [n] * len(rows), out)
+        self._write(rows, starts, [n] * len(rows), out, feeds["table"])
         return out["logits"]
 
     def _run_step(self, rows: list[Resident], starts: list[int], tokens: list[int],
@@ -66,7 +65,7 @@ class OrtBatchedEngine(BatchedEngine):
         feeds = {"input_ids": torch.tensor(tokens)[:, None], **self._pool_feeds("pool_step", rows, starts, 1),
                  "done": torch.tensor(done), **self._lora_feeds(adapters)}
         out = self._run("pool_step", feeds)
-        self._write(rows, starts, [1] * len(rows), out)
+        self._write(rows, starts, [1] * len(rows), out, feeds["table"])
         self._keep_stream(rows, starts, SharedOutput(None, out["stream"],
                                                      Selection(out["selection_idx"], out["selection_valid"])))
         return out["logits"]
@@ -85,14 +84,12 @@ class OrtBatchedEngine(BatchedEngine):
         index = torch.tensor(slots)
         pick = (lambda buffer: buffer[span]) if span is not None else (lambda buffer: buffer.index_select(0, index))
         feeds = {"positions": torch.tensor(starts)[:, None] + torch.arange(T)[None], "table": pool.page_table(rows)}
-        for name in self.inputs[stage]:
-            kind, _, suffix = name.partition(".")
-            if kind.startswith("pages_"):
-                feeds[name] = {"k": pool.gk, "v": pool.gv, "i": pool.gi}[kind[-1]][int(suffix)]
-            elif kind in ("ring_k", "ring_v"):
-                feeds[name] = pick((pool.wk if kind == "ring_k" else pool.wv)[int(suffix)])
-            elif kind == "pending":
-                feeds[name] = pick(pool.pending[int(suffix)])
+        buffers = {"pages_k": pool.gk, "pages_v": pool.gv, "pages_i": pool.gi}
+        for name, kind, at in self.pool_inputs[stage]:
+            if kind in buffers:
+                feeds[name] = buffers[kind][at]
+            else:  # a row's ring or open block
+                feeds[name] = pick({"ring_k": pool.wk, "ring_v": pool.wv, "pending": pool.pending}[kind][at])
         return feeds
 
     def _lora_feeds(self, adapters: list[str | None]) -> dict[str, Tensor]:
@@ -100,13 +97,16 @@ class OrtBatchedEngine(BatchedEngine):
         return {"row_slots": torch.tensor([self.adapters.slot_of(adapter) for adapter in adapters]),
                 **self.engine.lora_inputs()}
 
-    def _write(self, rows: list[Resident], starts: list[int], lengths: list[int], out: dict[str, Tensor]) -> None:
+    def _write(self, rows: list[Resident], starts: list[int], lengths: list[int], out: dict[str, Tensor],
+               table: Tensor) -> None:
         """What a call added, into the pool: each layer's keys and values (the last W of each row's real
-        positions), the blocks it completed as global entries, each row's open block."""
+        positions), the blocks it completed as global entries, each row's open block. `table`: the rows' pages,
+        as the call read them."""
         pool, m = self.pool, self.config.block_size
         slots = torch.tensor([row.slot for row in rows])
-        ragged = None if min(lengths) == max(lengths) == out_length(out) else lengths
-        places = torch.tensor(starts) % pool.W if out_length(out) == 1 else None  # a step: one place a row
+        T = out_length(out)
+        ragged = None if min(lengths) == max(lengths) == T else lengths
+        places = torch.tensor(starts) % pool.W if T == 1 else None  # a step: one place a row
         for name, values in out.items():
             kind, _, layer = name.partition(".")
             if kind in ("new_k", "new_v"):
@@ -121,18 +121,20 @@ class OrtBatchedEngine(BatchedEngine):
         ends = [start + n for start, n in zip(starts, lengths)]
         complete = [end // m - start // m for start, end in zip(starts, ends)]  # blocks each row completed
         step = f"inputs.{first_source}" in out  # a step's entries are of its completed rows only, in order
-        out_rows = [sum(1 for d in range(b) if complete[d]) if step else b for b in range(len(rows))]
-        done = [(b, i, out_rows[b]) for b, count in enumerate(complete) for i in range(count)]  # (row, entry, out row)
-        table = pool.page_table(rows) if done else None
+        completed = [b for b, count in enumerate(complete) if count]
+        out_rows = {b: j if step else b for j, b in enumerate(completed)}
+        done = [(b, i, out_rows[b]) for b in completed for i in range(complete[b])]  # (row, entry, its output row)
+        if done:  # where each completed block's entry goes: the same for every source
+            b, i, place = (torch.tensor(column) for column in zip(*done))
+            numbers = torch.tensor([starts[row] // m for row, _, _ in done]) + i
+            pages, offsets = (t[:, 0] for t in pool.entry_places(table[b], numbers[:, None]))
+        held = torch.tensor(starts) % m
         for source in self.config.source_layers:
             if done:
-                b, i, place = (torch.tensor(column) for column in zip(*done))
-                numbers = torch.tensor([starts[row] // m for row, _, _ in done]) + i
-                pages, offsets = pool.entry_places(table[b], numbers[:, None])
                 for buffer, part in ((pool.gk, "entry_k"), (pool.gv, "entry_v"), (pool.gi, "entry_i")):
-                    buffer[source][pages[:, 0], offsets[:, 0]] = out[f"{part}.{source}"][place, i]
+                    buffer[source][pages, offsets] = out[f"{part}.{source}"][place, i]
             if step:  # each row's input goes to its open block (a completed one's is not read again)
-                pool.pending[source][slots, torch.tensor(starts) % m] = out[f"inputs.{source}"][:, 0]
+                pool.pending[source][slots, held] = out[f"inputs.{source}"][:, 0]
                 continue
             open_rows = [b for b, end in enumerate(ends) if end % m]
             if open_rows:
