@@ -1,7 +1,8 @@
 """The serving engine on ONNX Runtime (ced/ort_batched.py) against the torch one over the same paged pool: a mixed
 batch (ragged chunks, rows under different adapters, steps across block and page ends) gives the same greedy tokens,
 logits and pool contents within float tolerance; a settled decode batch hands the graph the pool's own buffers;
-an adapter loaded between calls takes effect on the next; a folder without the pool graphs is refused clearly."""
+an adapter loaded between calls takes effect on the next; a folder without the pool graphs is refused clearly;
+benchmarks/onnxruntime_ceiling.py rebuilds a step's products with the shapes ORT ran."""
 
 import json
 import shutil
@@ -127,3 +128,18 @@ def test_a_folder_built_before_the_pool_graphs_is_refused(built, tmp_path):
     (old / "engine.json").write_text(json.dumps(manifest))
     with pytest.raises(EngineFileError, match="pool_prefill.*build it again"):
         OrtCEDEngine(CEDForCausalLM.from_pretrained(str(built / "model")), old)
+
+
+def test_the_ceiling_benchmark_reruns_each_product_of_a_step_with_its_shapes(engines):
+    """benchmarks/onnxruntime_ceiling.py times a step's products alone: read from the step's profile, each is rebuilt
+    with the operands ORT ran (a transposed one laid out K before N) and gives the output shape ORT gave."""
+    from benchmarks.onnxruntime_ceiling import open_rows, products_graph, step_products
+
+    _, batched = engines
+    batch = open_rows(batched, 3, 40, ["A1", None, "L0"])
+    products = step_products(batched, batch)
+    assert len(products) >= 4 * batched.config.n_layers  # a layer's projections at least
+    assert any(len(operands) == 2 and operands[1][-2] != operands[0][-1] for operands, _ in products)  # transposed
+    session, feeds = products_graph(products, threads=1)
+    outputs = session.run(None, feeds)
+    assert [list(y.shape) for y in outputs] == [out for _, out in products]
