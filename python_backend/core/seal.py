@@ -147,7 +147,8 @@ class Sealer:
 
 # -- what each internal stage's seal covers ----------------------------------------------------------------------
 
-PREFILL, DECODE, RETURNED = "prefill", "decode", "decoded"  # the purposes: a seal for one is no seal for another
+PREFILL, DECODE, RETURNED, LINK = "prefill", "decode", "decoded", "link"  # the purposes: a seal for one is no
+# seal for another
 
 
 def prefill_fields(conversation_id: str | None, route_only: bool, text_ids, route_start: int | None = None) -> dict:
@@ -158,10 +159,17 @@ def prefill_fields(conversation_id: str | None, route_only: bool, text_ids, rout
 
 
 def decode_fields(conversation_id: str, length: int, adapter_hash: int, state: bytes, return_state: bool,
-                  end_conversation: bool) -> dict:
-    """A decode request: the conversation, its transfer metadata and state, and what decode does with the result."""
+                  end_conversation: bool, link: int = 0, link_turn: int = 0) -> dict:
+    """A decode request: the conversation, its transfer metadata and state, and what decode does with the result
+    (where its tokens go: on a relay's token link, `link` and the turn's number on it; 0: its own stream)."""
     return {"conversation_id": conversation_id, "length": int(length), "adapter_hash": int(adapter_hash),
-            "state": digest(state), "return_state": bool(return_state), "end_conversation": bool(end_conversation)}
+            "state": digest(state), "return_state": bool(return_state), "end_conversation": bool(end_conversation),
+            "link": int(link), "link_turn": int(link_turn)}
+
+
+def link_fields(link: int) -> dict:
+    """A relay's token link to decode: whoever opens one receives the tokens of the turns that name it."""
+    return {"link": int(link)}
 
 
 def returned_fields(conversation_id: str, state: bytes) -> dict:

@@ -36,7 +36,7 @@ from ..core.engine_core import token_logprobs
 from ..core.inputs import RequestError, generation
 from ..core.routing import BASE_NAME, RouteDecision
 from ..core.scheduler import CancelledTurn, Scheduler, Turn
-from ..core.seal import DECODE, RETURNED, Sealer, decode_fields, returned_fields
+from ..core.seal import DECODE, LINK, RETURNED, Sealer, decode_fields, link_fields, returned_fields
 from ..core.serving import Served
 from ..core.settings import ServingSettings, stream_interval_s, triton_parameters
 from ..core.transfer import TransferMeta
@@ -55,6 +55,8 @@ class DecodeRequest:
     end_conversation: bool = False
     return_state: bool = False  # disaggregated: the prefill server owns the store and the turn lock
     ignore_eos: bool = False  # generate past the tokenizer's stop tokens (benchmarks)
+    link: int = 0  # the relay's token link its streamed tokens go on (0: its own stream), and its turn number there
+    link_turn: int = 0
     received: Received | None = None  # the state `state` carries, once resolved (DecodeTransfers.receive)
 
 
@@ -85,6 +87,7 @@ class DecodeModel:
         self._responses: queue.SimpleQueue = queue.SimpleQueue()
         self._responder = threading.Thread(target=self._respond, name="mol2-decode-responder", daemon=True)
         self._responder.start()
+        self.links: dict[int, TokenLink] = {}  # open token links by id (`_link_open`)
         self.scheduler = Scheduler(self.served.serving_engine(), self.served.store, self.served.tokenizer,
                                    self._engine_adapter, self.served.sync_current, prefix_cache_bytes=0).start()
 
@@ -118,6 +121,9 @@ class DecodeModel:
         self.served.watcher.poll()  # the scheduler takes a changed set between its steps
         for request in requests:
             sender = request.get_response_sender()
+            if optional(self.pb, request, "_link_open") is not None:
+                self.open_link(request, sender)
+                continue
             try:  # refused here, the request has touched nothing: no lock is taken or released
                 parsed = self.parse(request)
             except Exception as error:  # noqa: BLE001 - this request's error response, the others go on
@@ -138,13 +144,27 @@ class DecodeModel:
             required(pb, request, "_state").tobytes(),
             TransferMeta.from_tensor(required(pb, request, "_routed_meta").reshape(-1)), max_tokens, sampling,
             bool(get("end_conversation", bool, False)), bool(get("_return_state", bool, False)),
-            bool(get("ignore_eos", bool, False)))
+            bool(get("ignore_eos", bool, False)), int(get("_link", int, 0)), int(get("_link_turn", int, 0)))
         parsed = ParsedDecode(decode_request, bool(get("stream", bool, False)),
                               as_text(optional(pb, request, "_route_scores"), "_route_scores") or "{}")
         self.sealer.check(DECODE, as_text(optional(pb, request, "_seal"), "_seal"), **decode_fields(
             decode_request.conversation_id, decode_request.meta.length, decode_request.meta.adapter_hash,
-            decode_request.state, decode_request.return_state, decode_request.end_conversation))
+            decode_request.state, decode_request.return_state, decode_request.end_conversation, decode_request.link,
+            decode_request.link_turn))
         return parsed
+
+    def open_link(self, request, sender) -> None:
+        """A relay's token link: kept open, its stream carries the tokens of the streamed turns that name it. A
+        request without the relay's seal over its id is refused, as any internal input."""
+        try:
+            link = int(as_scalar(optional(self.pb, request, "_link_open"), "_link_open", int, 0))
+            self.sealer.check(LINK, as_text(optional(self.pb, request, "_seal"), "_seal"), **link_fields(link))
+            if link == 0 or link in self.links:
+                raise RequestError(f"_link_open: link {link} is {'in use' if link else 'not a link id'}")
+        except Exception as error:  # noqa: BLE001 - this request's error response, the others go on
+            sender.send(failure_response(self.pb, error, "decode"), flags=self.final)
+            return
+        self.links[link] = TokenLink(self, sender, requested_outputs(request))
 
     def hand_over(self, parsed: ParsedDecode, sender, wanted: frozenset[str]) -> None:
         """Checks what can be refused before any work (a delta on a state not held here, a length that does not
@@ -163,9 +183,11 @@ class DecodeModel:
         sampling = decode_request.sampling
         stateless = not decode_request.conversation_id  # a relayed OpenAI request: its end state is dropped
         budget = min(decode_request.max_tokens, self.served.engine.config.max_context - received.state.length)
+        # a streamed turn's tokens go on its relay's link where that is open here (else, or if it closes: its own)
+        link = self.links.get(decode_request.link) if parsed.stream and decode_request.link else None
         self._count_outstanding(+1)
         self.scheduler.submit(Turn(
-            decode_request.conversation_id, [], lambda pooled: decision, HandedSink(self, parsed, sender, wanted),
+            decode_request.conversation_id, [], lambda pooled: decision, HandedSink(self, parsed, sender, wanted, link),
             max(budget, 1), sampling, ignore_eos=decode_request.ignore_eos,
             end_conversation=decode_request.end_conversation, explicit=True,
             handed=received.state, returns_state=decode_request.return_state or stateless))
@@ -187,8 +209,9 @@ class HandedSink:
     token when streaming (or per run of tokens that waited for the responder), then the last one (and, to a prefill
     server, the state it gets back)."""
 
-    def __init__(self, model: DecodeModel, parsed: ParsedDecode, sender, wanted: frozenset[str]):
-        self.model, self.parsed, self.sender, self.wanted = model, parsed, sender, wanted
+    def __init__(self, model: DecodeModel, parsed: ParsedDecode, sender, wanted: frozenset[str],
+                 link: TokenLink | None = None):
+        self.model, self.parsed, self.sender, self.wanted, self.link = model, parsed, sender, wanted, link
         self._lock = threading.Lock()  # over `_unsent` and `_final` (`cancelled` must not ask a sender once final)
         self._final = False
         self._unsent: list[tuple[int, list | None]] = []  # (token, its logprobs entry) not sent yet
@@ -232,10 +255,28 @@ class HandedSink:
             parsed.replayed = replayed
             counters.add("mol2_routes_applied", adapter)
             counters.add("mol2_replayed_tokens", adapter, replayed)
+        first = not parsed.ids
         parsed.ids.extend(token for token, _ in unsent)
         if parsed.stream:
             logprobs = [entry for _, entries in unsent for entry in entries or ()] or None
-            self.sender.send(self.model.respond(parsed, len(unsent), False, self.wanted, adapter, logprobs=logprobs))
+            if self.link is not None:
+                self.link.add(self._link_entry(len(unsent), first, adapter, logprobs))
+            else:
+                self.sender.send(self.model.respond(parsed, len(unsent), False, self.wanted, adapter,
+                                                    logprobs=logprobs))
+
+    def _link_entry(self, fresh: int, first: bool, adapter: str, logprobs: list | None) -> dict:
+        """What `respond` would send for these tokens, as an entry of the link's batch: the ids and their count; the
+        turn's fixed outputs with its first tokens only (the relay keeps them for the rest)."""
+        parsed = self.parsed
+        entry = {"turn": parsed.request.link_turn, "ids": window(parsed.ids, fresh), "fresh": fresh,
+                 "output_tokens": len(parsed.ids)}
+        if first:
+            entry["meta"] = {"applied_adapter": adapter, "replayed_tokens": parsed.replayed,
+                             "route_scores": parsed.scores, "conversation_id_out": parsed.request.conversation_id}
+        if logprobs is not None:
+            entry["logprobs"] = json.dumps(logprobs)
+        return entry
 
     def _finished(self, turn: Turn) -> None:
         model, parsed, request = self.model, self.parsed, self.parsed.request
@@ -269,6 +310,8 @@ class HandedSink:
     def cancelled(self) -> bool:
         if not self._ask.due():
             return False
+        if self.link is not None and not self.link.alive:  # its tokens have nowhere to go: the relay is gone
+            return True
         with self._lock:
             return not self._final and self.sender.is_cancelled()
 
@@ -282,3 +325,48 @@ class HandedSink:
                 self.sender.send(last, flags=self.model.final)
         finally:
             self.model._count_outstanding(-1)
+
+
+class TokenLink:
+    """A relay's stream for the tokens of all its streamed turns (`_link_open`). What the responder sends for
+    every turn on it in one pass goes out as one response, a JSON list of each turn's new ids (`_link_batch`), where
+    it was a response for each turn: at 16 streams one message a decode step instead of 16, on every hop between
+    here and the relay (this stub's send, Triton's gRPC, the decode server's guard, the relay's client). The
+    turn's own stream keeps its first error, its last answer and its state."""
+
+    def __init__(self, model: DecodeModel, sender, wanted: frozenset[str]):
+        self.model, self.sender, self.wanted = model, sender, wanted
+        self.alive = True
+        self._entries: list[dict] = []  # touched on the responder thread only
+        self._ask = Every()
+
+    def add(self, entry: dict) -> None:
+        """On the responder thread: the entry goes out with the others of this pass (its flush queued behind them)."""
+        if not self._entries:
+            self.model._responses.put(self._flush)
+        self._entries.append(entry)
+
+    def _flush(self) -> None:
+        entries, self._entries = self._entries, []
+        if not self.alive:
+            return
+        try:
+            if self._ask.due() and self.sender.is_cancelled():
+                raise ConnectionError("the relay closed its token link")
+            self.sender.send(response(self.model.pb, self.model.outputs.tensors(_link_batch=json.dumps(entries)),
+                                      self.wanted))
+            self.model.counters.count("mol2_link_tokens_total", sum(entry["fresh"] for entry in entries))
+        except Exception:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """The relay is gone: its turns are cancelled (HandedSink.cancelled), the link forgotten and ended."""
+        self.alive = False
+        for link, open_link in list(self.model.links.items()):
+            if open_link is self:
+                del self.model.links[link]
+        try:
+            self.sender.send(flags=self.model.final)
+        except Exception:  # noqa: BLE001 - already ended by Triton (the client cancelled it)
+            pass

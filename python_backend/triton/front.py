@@ -24,6 +24,7 @@ from ..core.seal import DECODE, RETURNED, Sealer, decode_fields, returned_fields
 from ..core.store import ConversationStore, check_id
 from ..core.transfer import TransferError
 from .bls import Call, prefill_request, route_request, text_array
+from .token_link import LinkAnswer, LinkTurn, TokenLinks
 from .triton_io import RequestError
 
 # The request fields a relay passes on to decode unchanged, with the dtypes decode's config declares: one value
@@ -52,8 +53,11 @@ def _client(url: str):
     return clients[url]
 
 
-def remote_decode(url: str, model: str, inputs: dict[str, np.ndarray], timeout_s: float = 600.0) -> Iterator:
-    """Stream one request to a decode server over Triton gRPC; yields its responses (tritonclient InferResult)."""
+def remote_decode(url: str, model: str, inputs: dict[str, np.ndarray], timeout_s: float = 600.0,
+                  turn: LinkTurn | None = None) -> Iterator:
+    """Stream one request to a decode server over Triton gRPC; yields its responses (tritonclient InferResult, or
+    LinkAnswer for those that came on the relay's token link when the turn is `turn` there, token_link.py). The
+    turn's last answer and what follows it wait until the link has brought every token that answer counts."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
@@ -62,29 +66,43 @@ def remote_decode(url: str, model: str, inputs: dict[str, np.ndarray], timeout_s
         tensor = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
         tensor.set_data_from_numpy(value)
         grpc_inputs.append(tensor)
-    responses: queue.Queue = queue.Queue()
+    responses: queue.Queue = turn.queue if turn is not None else queue.Queue()
     client = _client(url)
     finished = False
+    received, counted, held = 0, None, []  # tokens come so far, the count the last answer gives, answers held
     try:
         try:
             client.start_stream(callback=lambda result, error: responses.put((result, error)))
             client.async_stream_infer(model, grpc_inputs, enable_empty_final_response=True)
         except InferenceServerException as error:  # the same message whichever side notices first
             raise RequestError(f"decode server {url}: {error.message()}") from None
-        while True:
+        while not finished or held:
             try:
                 result, error = responses.get(timeout=timeout_s)
             except queue.Empty:
                 raise RequestError(f"the decode server at {url} sent nothing for {timeout_s:.0f} s") from None
             if error is not None:
                 raise RequestError(f"decode server {url}: {error.message() if hasattr(error, 'message') else error}")
-            response = result.get_response()
-            if response.outputs:
+            if isinstance(result, LinkAnswer):
+                received += result.fresh
                 yield result
-            if response.parameters["triton_final_response"].bool_param:
-                finished = True
-                return
+            else:
+                response = result.get_response()
+                finished = response.parameters["triton_final_response"].bool_param
+                if response.outputs:
+                    if (fresh := result.as_numpy("_fresh")) is not None:
+                        received += int(fresh[0])
+                    if (last := result.as_numpy("_last")) is not None and last[0]:
+                        counted = int(result.as_numpy("output_tokens")[0])
+                    held.append(result)
+                if finished and turn is not None and counted is None:  # decode dropped it (its link closed)
+                    raise RequestError(f"the decode server at {url} ended the turn without its last answer")
+            if held and (counted is None or received >= counted):
+                yield from held
+                held.clear()
     finally:  # closed before the end (the client cancelled, or an error): cancel the turn on the decode server too
+        if turn is not None:
+            turn.close()
         try:
             client.stop_stream(cancel_requests=not finished)
         except Exception:  # a stream that did not close would refuse the next: this thread makes a new client
@@ -109,10 +127,11 @@ class Relay:
 
     def __init__(self, call: Call, store: ConversationStore, router_model: str, decode_url: str, decode_model: str,
                  sealer: Sealer, decode: Callable[..., Iterator] = remote_decode, count: Count = no_count,
-                 *, tokenizer: ChatTokenizer):
+                 *, tokenizer: ChatTokenizer, links: TokenLinks | None = None):
         self.call, self.store, self.router_model, self.sealer = call, store, router_model, sealer
         self.tokenizer = tokenizer
         self.decode_url, self.decode_model, self.decode = decode_url, decode_model, decode
+        self.links = links  # streamed turns' tokens come on a token link (token_link.py); None: on their own streams
         self.transfers = RelayTransfers(store, store.config, count)
 
     def run(self, fields: dict[str, np.ndarray], send: Callable[[dict[str, np.ndarray] | None, bool], None],
@@ -236,10 +255,14 @@ class Relay:
         evicted it, or holds another turn) goes again whole. The refusal comes before any answer."""
         length, adapter_hash = (int(v) for v in routed_meta.reshape(-1))
         while True:
+            turn = self.links.turn(self.decode_url, self.decode_model) \
+                if self.links is not None and _flag(inputs.get("stream")) else None
+            link = {} if turn is None else {"link": turn.link.id, "link_turn": turn.number}
+            inputs.update({f"_{name}": np.array([value], dtype=np.int64) for name, value in link.items()})
             inputs["_state"] = np.frombuffer(sent.data, np.uint8)
             inputs["_seal"] = text_array(self.sealer.seal(DECODE, **decode_fields(
-                conversation_id, length, adapter_hash, sent.data, _flag(inputs.get("_return_state")), end)))
-            results = self.decode(self.decode_url, self.decode_model, inputs)
+                conversation_id, length, adapter_hash, sent.data, _flag(inputs.get("_return_state")), end, **link)))
+            results = self.decode(self.decode_url, self.decode_model, inputs, **({"turn": turn} if turn else {}))
             try:
                 first = next(results)
             except StopIteration:

@@ -22,6 +22,8 @@ DESCRIPTIONS = {
     "mol2_transfer_bytes_total": "bytes of conversation state sent between a disaggregated pair's servers, by "
                                  "direction (to_decode, to_prefill) and kind (delta, full)",
     "mol2_transfer_fallbacks_total": "delta transfers not possible for a turn, which went whole instead, by reason",
+    "mol2_link_tokens_total": "streamed tokens a decode server sent on relays' token links (several turns' a "
+                              "message; the rest went on each turn's own stream)",
 }
 
 

@@ -15,6 +15,7 @@ from ..core.settings import ServingSettings, triton_parameters
 from .bls import bls_call
 from .front import PASSED_ON, STATELESS, Relay
 from .metrics import Counters
+from .token_link import TokenLinks
 from .triton_io import Every, Outputs, failure_response, optional, requested_outputs, require_decoupled, response
 
 # a stateful turn's text (or its ids, as the Responses API sends them), or a stateless request's whole chat / prompt
@@ -31,9 +32,10 @@ class RelayModel:
         config = read_config(settings.model_dir)
         store = settings.open_store(config)  # this server's idle timeout and limits
         self.counters = Counters(pb, "relay")  # the bytes of state on the wire, each way
+        sealer = Sealer.from_environment()
         self.relay = Relay(bls_call(pb), store, parameters["router_model"], parameters["decode_url"],
-                           parameters["decode_model"], Sealer.from_environment(), count=self.counters.count,
-                           tokenizer=ChatTokenizer(settings.model_dir))
+                           parameters["decode_model"], sealer, count=self.counters.count,
+                           tokenizer=ChatTokenizer(settings.model_dir), links=TokenLinks(sealer))
         # Turns wait on the decode server: many run at once, each in its own thread.
         self.pool = ThreadPoolExecutor(max_workers=int(parameters.get("max_turns_in_flight", "64")))
 

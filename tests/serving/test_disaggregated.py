@@ -65,9 +65,12 @@ def test_disaggregated_keeps_state_on_the_prefill_server(disaggregated, served_d
 
 
 def test_disaggregated_streams_and_sets(server, disaggregated):
-    prefill, _ = disaggregated
+    prefill, decode = disaggregated
     fields = dict(text_input="go", adapter="chat", max_tokens=4, end_conversation=True)
+    linked = metric_totals(decode, ["mol2_link_tokens_total"])["mol2_link_tokens_total"]
     events = stream_events(prefill, **fields)
+    # the relay's token link brought them (python_backend/triton/token_link.py)
+    assert metric_totals(decode, ["mol2_link_tokens_total"])["mol2_link_tokens_total"] == linked + 4
     assert events and all(event["applied_adapter"] == "chat" for event in events)
     # the same text and count; the decode server sends the tokens that came while it was sending as one event
     same = lambda events: ("".join(e["text_output"] for e in events), events[-1]["output_tokens"])  # noqa: E731

@@ -4,6 +4,7 @@ logged 500, while the others of the batch are served."""
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -19,8 +20,8 @@ from python_backend.triton.relay_model import RelayModel
 from python_backend.server.roles import relay_config
 from python_backend.triton.route_model import RouteModel
 from python_backend.triton.router_model import RouterModel
-from python_backend.core.seal import DECODE, PREFILL, SECRET_VARIABLE, Sealer, create_secret_file, decode_fields, \
-    prefill_fields
+from python_backend.core.seal import DECODE, LINK, PREFILL, SECRET_VARIABLE, Sealer, create_secret_file, \
+    decode_fields, link_fields, prefill_fields
 from python_backend.core.settings import ROOT
 from python_backend.triton.tokenize_model import TokenizeModel
 from python_backend.triton.triton_io import Outputs
@@ -261,17 +262,20 @@ def test_route_through_bls(pb, config):
     assert len(pb.logged) == 2
 
 
-def decode_request(pb, config, conversation_id: str, wanted=(), stream=False, return_state=False) -> Request:
-    """A sealed decode request for a new turn, prefilled and routed (to `chat`) by the classes themselves."""
+def decode_request(pb, config, conversation_id: str, wanted=(), stream=False, return_state=False,
+                   link: int = 0, link_turn: int = 0) -> Request:
+    """A sealed decode request for a new turn, prefilled and routed (to `chat`) by the classes themselves; with
+    `link`, as a relay sends a turn whose tokens go on its token link (turn `link_turn` there)."""
     prefilled = PrefillModel(pb, config("prefill")).execute([sealed_prefill([104, 105], None)])[0].tensors
     routed = RouterModel(pb, config("router")).execute([Request(_h19=prefilled["_h19"], adapter="chat",
                                                                 _transfer_meta=prefilled["_transfer_meta"])])[0]
     meta = routed.tensors["_routed_meta"]
     seal = Sealer.from_environment().seal(DECODE, **decode_fields(
-        conversation_id, meta[0], meta[1], prefilled["_state"].tobytes(), return_state, False))
+        conversation_id, meta[0], meta[1], prefilled["_state"].tobytes(), return_state, False, link, link_turn))
+    linked = {"_link": np.array([link], np.int64), "_link_turn": np.array([link_turn], np.int64)} if link else {}
     return Request(wanted, _state=prefilled["_state"], _routed_meta=meta, _conversation_id=conversation_id,
                    _route_scores="{}", max_tokens=np.array([3], np.int32), stream=[stream], _seal=seal,
-                   _return_state=[return_state])
+                   _return_state=[return_state], **linked)
 
 
 def test_decode(pb, config):
@@ -280,7 +284,7 @@ def test_decode(pb, config):
     fail_when(model.served.store, "save", lambda conversation_id, state: conversation_id == "c3")  # after its tokens
     asked = ("_ids", "_fresh", "_last", "output_tokens")  # decoupled: only these may be sent
     # as the ensemble asks; `logprobs` comes only when the request asks for them, as the engine model's
-    everything = tuple(set(declared(config("decode"))) - {"_state_out", "_state_seal", "logprobs"})
+    everything = tuple(set(declared(config("decode"))) - {"_state_out", "_state_seal", "logprobs", "_link_batch"})
     streamed, whole = decode_request(pb, config, "c1", asked, stream=True), decode_request(pb, config, "c2", everything)
     unsealed = decode_request(pb, config, "c9")
     unsealed.inputs.pop("_seal")
@@ -321,7 +325,7 @@ def test_decode_returns_the_state_to_a_prefill_server(pb, config):
     assert model.idle()
     (answer, flags), (state, final) = request.sender.sent
     assert (flags, final) == (0, FINAL)
-    assert_outputs(answer, config("decode"), set(wanted) - {"_state_out", "_state_seal", "logprobs"})
+    assert_outputs(answer, config("decode"), set(wanted) - {"_state_out", "_state_seal", "logprobs", "_link_batch"})
     assert_outputs(state, config("decode"), {"_state_out", "_state_seal"})
     assert not model.served.store.exists("c1")  # the prefill server owns the store
     sent = request.inputs["_state"].as_numpy().nbytes  # a whole state came; a delta on it goes back; both counted
@@ -348,6 +352,51 @@ def test_decode_batches_the_turns_it_is_handed(pb, config):
     stats = model.scheduler.stats
     steps = stats.decode_steps - steps_before
     assert steps <= 8 and stats.decode_rows == 24 and stats.decode_rows / stats.decode_steps >= 3, stats
+    model.finalize()
+
+
+def test_decode_sends_a_relays_streamed_tokens_on_its_token_link(pb, config):
+    """A relay's token link (`_link_open`, sealed): the streamed turns that name it get their tokens there, every
+    turn's that the responder has in one response (`_link_batch`), each turn's ids in order, its fixed outputs with
+    its first; its own stream carries only its last answer, which counts them. A turn naming a link that is not open
+    streams on its own stream; an unsealed `_link_open` is refused."""
+    model = DecodeModel(pb, config("decode"))
+    link = Request(("_link_batch",), _link_open=np.array([7], np.int64),
+                   _seal=Sealer.from_environment().seal(LINK, **link_fields(7)))
+    forged = Request(("_link_batch",), _link_open=np.array([8], np.int64), _seal="0" * 64)
+    model.execute([link, forged])
+    (refused, flags), = forged.sender.sent
+    assert flags == FINAL and not link.sender.sent
+    assert_refused(refused, "does not match")
+    asked = ("_ids", "_fresh", "_last", "output_tokens", "applied_adapter")
+    turns = [decode_request(pb, config, f"l{i}", asked, stream=True, link=7, link_turn=i + 1) for i in range(4)]
+    alone = decode_request(pb, config, "l9", asked, stream=True, link=99, link_turn=1)
+    gate = threading.Event()  # the responder waits until every turn is decoded, so one pass has all their tokens
+    model._responses.put(gate.wait)
+    model.execute(turns + [alone])
+    deadline = time.monotonic() + 60
+    while model._responses.qsize() < 2 * len(turns + [alone]) + 1 and time.monotonic() < deadline:
+        time.sleep(0.01)  # each turn's tokens, then its end
+    gate.set()
+    assert model.idle()
+    drained = threading.Event()  # the link's response is queued behind the turns' last answers
+    model._responses.put(drained.set)
+    assert drained.wait(60)
+
+    *tokens, (last, flags) = alone.sender.sent  # on its own stream
+    assert flags == FINAL and all(flags == 0 for _, flags in tokens)
+    alone_ids = [i for response, _ in tokens for i in response.tensors["_ids"][-int(response.tensors["_fresh"][0]):]]
+    assert len(alone_ids) == 3
+    (batch, flags), = link.sender.sent  # one response for the four turns' tokens
+    entries = json.loads(batch.tensors["_link_batch"][0])
+    assert flags == 0 and sorted(entry["turn"] for entry in entries) == [1, 2, 3, 4]
+    for i, (entry, turn) in enumerate(zip(sorted(entries, key=lambda entry: entry["turn"]), turns)):
+        (last, flags), = turn.sender.sent  # its last answer, sent before the batch here: the relay waits for it
+        assert flags == FINAL and last.tensors["_last"].tolist() == [True]
+        assert entry["fresh"] == entry["output_tokens"] == int(last.tensors["output_tokens"][0]) == 3
+        assert entry["ids"][-3:] == alone_ids  # the same turn, greedy: the same tokens whichever way they go
+        assert entry["meta"]["applied_adapter"] == "chat" and entry["meta"]["conversation_id_out"] == f"l{i}"
+    assert pb.counts[("mol2_link_tokens_total", ())] == 12
     model.finalize()
 
 

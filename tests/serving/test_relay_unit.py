@@ -138,3 +138,53 @@ def test_a_stage_error_stays_the_clients_or_ours(message, error):
                          InferenceRequest=lambda **kwargs: SimpleNamespace(exec=Response))
     with pytest.raises(error, match=message.split(":")[0]):
         bls_call(pb)("tokenize", {"text_input": text("hi")}, ["_text_ids"])
+
+
+class Streamed(Result):
+    """A response on a turn's own gRPC stream, as remote_decode reads it (`get_response()`)."""
+
+    def __init__(self, final=False, **outputs):
+        super().__init__(**outputs)
+        flag = SimpleNamespace(bool_param=final)
+        self.response = SimpleNamespace(outputs=list(outputs), parameters={"triton_final_response": flag})
+
+    def get_response(self):
+        return self.response
+
+
+def test_remote_decode_holds_the_last_answer_until_the_link_brought_every_token(monkeypatch):
+    """A linked turn's tokens come on the token link, its last answer and state on its own stream, which may be
+    first: what follows the last answer waits until the link has brought as many tokens as it counts, so the relay
+    reads the answer in order. A turn whose own stream ends with no last answer fails instead of hanging."""
+    import python_backend.triton.front as front
+    from python_backend.triton.token_link import LinkAnswer, LinkTurn
+
+    def client_sending(own_stream, link=(), turn=None):
+        """The turn's own stream's answers come first, the link's after them."""
+        def start_stream(callback):
+            for result in own_stream:
+                callback(result, None)
+        def request(*args, **kwargs):
+            for answer in link:
+                turn.queue.put((answer, None))
+        return SimpleNamespace(start_stream=start_stream, async_stream_infer=request,
+                               stop_stream=lambda cancel_requests: None)
+
+    last = Streamed(_ids=np.array([5], np.int64), _fresh=np.array([0], np.int32), _last=np.array([True]),
+                    output_tokens=np.array([3], np.int32))
+    state = Streamed(final=True, _state_out=np.frombuffer(b"state", np.uint8))
+    turn = LinkTurn(SimpleNamespace(forget=lambda turn: None), 1)
+    meta = {"applied_adapter": "chat"}
+    link = [LinkAnswer({"turn": 1, "ids": ids, "fresh": fresh, "output_tokens": count}, meta)
+            for ids, fresh, count in (([1, 2], 2, 2), ([1, 2, 3], 1, 3))]
+    monkeypatch.setattr(front, "_client", lambda url: client_sending((last, state), link, turn))
+    answers = list(front.remote_decode("decode:1", "decode", {}, timeout_s=5, turn=turn))
+    assert [type(answer).__name__ for answer in answers] == ["LinkAnswer", "LinkAnswer", "Streamed", "Streamed"]
+    assert answers[1].as_numpy("_ids").tolist() == [1, 2, 3] and answers[1].as_numpy("output_tokens").tolist() == [3]
+    assert answers[0].as_numpy("applied_adapter")[0] == b"chat" and answers[0].as_numpy("_last").tolist() == [False]
+    assert answers[2] is last and answers[3] is state
+
+    dropped = LinkTurn(SimpleNamespace(forget=lambda turn: None), 2)  # decode cancelled it: an empty final
+    monkeypatch.setattr(front, "_client", lambda url: client_sending([Streamed(final=True)]))
+    with pytest.raises(RequestError, match="without its last answer"):
+        list(front.remote_decode("decode:1", "decode", {}, timeout_s=5, turn=dropped))

@@ -1,0 +1,135 @@
+"""The relay's side of a token link to a decode server (decode_model.py `TokenLink` is the other side).
+
+A relay streams each turn's answer from decode. Sent on the turn's own stream, every token of every turn is a
+message of its own on each hop (the decode stub's send, Triton's gRPC, the decode server's guard, this process's
+gRPC client): at 16 streams, 16 messages a decode step. A link is one more stream per relay process and decode
+server: the relay opens it once (sealed: `_link_open`), names it in each streamed turn (`_link`, `_link_turn`), and
+decode sends there, in one message, the tokens its responder has for every turn on the link. The turn's own stream
+still carries its errors, its last answer (finish reason, token count) and its state.
+
+A link is one gRPC stream, so its messages come in order; a turn's own stream is another, so its last answer may
+come before the link's last tokens of it: remote_decode (front.py) holds the last answer until the link has brought
+as many tokens as it counts. A link that fails fails the turns waiting on it; the next turn opens a new one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import queue
+import secrets
+import threading
+
+import numpy as np
+
+from ..core.seal import LINK, Sealer, link_fields
+
+log = logging.getLogger("mol2.relay")
+
+
+class LinkAnswer:
+    """A streamed answer that came on the link, read as a turn's own answers are (`as_numpy`, as tritonclient's
+    InferResult): the entry's ids, with the turn's fixed outputs its first entry brought."""
+
+    def __init__(self, entry: dict, meta: dict):
+        self.fresh = int(entry["fresh"])
+        self._entry, self._meta = entry, meta
+
+    def as_numpy(self, name: str) -> np.ndarray | None:
+        entry = self._entry
+        if name == "_ids":
+            return np.asarray(entry["ids"], dtype=np.int64)
+        if name in ("_fresh", "output_tokens", "replayed_tokens"):
+            value = self.fresh if name == "_fresh" else entry[name] if name in entry else self._meta.get(name)
+            return None if value is None else np.array([value], dtype=np.int32)
+        if name == "_last":
+            return np.array([False])
+        if name == "finish_reason":  # as decode's answers before the last: empty
+            return np.array([b""], dtype=object)
+        value = entry.get(name) if name == "logprobs" else self._meta.get(name)
+        return None if value is None else np.array([value.encode("utf-8")], dtype=object)
+
+
+class LinkTurn:
+    """One turn on a link: its number there, and the queue its answers come to (the link's and, put there by
+    remote_decode, its own stream's: (result, error) pairs)."""
+
+    def __init__(self, link: "TokenLink", number: int):
+        self.link, self.number = link, number
+        self.queue: queue.Queue = queue.Queue()
+        self.meta: dict = {}  # the fixed outputs of its answers, from its first entry
+
+    def close(self) -> None:
+        self.link.forget(self)
+
+
+class TokenLink:
+    """An open link to one decode model: its stream, and the turns waiting on it."""
+
+    def __init__(self, url: str, model: str, sealer: Sealer):
+        import tritonclient.grpc as grpcclient
+
+        self.id = secrets.randbits(63) or 1
+        self.alive = True
+        self._turns: dict[int, LinkTurn] = {}
+        self._lock = threading.Lock()
+        self._numbers = itertools.count(1)
+        self.client = grpcclient.InferenceServerClient(url)
+        self.client.start_stream(callback=self._on_response)
+        opened = grpcclient.InferInput("_link_open", [1], "INT64")
+        opened.set_data_from_numpy(np.array([self.id], dtype=np.int64))
+        seal = grpcclient.InferInput("_seal", [1], "BYTES")
+        seal.set_data_from_numpy(np.array([sealer.seal(LINK, **link_fields(self.id)).encode()], dtype=object))
+        self.client.async_stream_infer(model, [opened, seal], outputs=[grpcclient.InferRequestedOutput("_link_batch")])
+
+    def turn(self) -> LinkTurn:
+        turn = LinkTurn(self, next(self._numbers))
+        with self._lock:
+            self._turns[turn.number] = turn
+        return turn
+
+    def forget(self, turn: LinkTurn) -> None:
+        with self._lock:
+            self._turns.pop(turn.number, None)
+
+    def _on_response(self, result, error) -> None:
+        """On tritonclient's thread: each entry to its turn's queue."""
+        if error is None and result.get_response().parameters["triton_final_response"].bool_param:
+            error = "decode ended the link"
+        if error is not None:
+            self._failed(error)
+            return
+        batch = result.as_numpy("_link_batch")
+        for entry in json.loads(batch.reshape(-1)[0]) if batch is not None else ():
+            with self._lock:
+                turn = self._turns.get(entry["turn"])
+            if turn is not None:  # else a turn that ended (its client went away): its tokens are dropped
+                turn.meta.update(entry.get("meta", ()))
+                turn.queue.put((LinkAnswer(entry, turn.meta), None))
+
+    def _failed(self, error) -> None:
+        self.alive = False
+        message = error.message() if hasattr(error, "message") else str(error)
+        log.warning("token link to decode failed: %s", message)
+        with self._lock:
+            turns, self._turns = list(self._turns.values()), {}
+        for turn in turns:
+            turn.queue.put((None, f"its token link failed: {message}"))
+
+
+class TokenLinks:
+    """This relay process's links, one per decode server and model, opened on the first streamed turn and again
+    after one fails."""
+
+    def __init__(self, sealer: Sealer):
+        self.sealer = sealer
+        self._links: dict[tuple[str, str], TokenLink] = {}
+        self._lock = threading.Lock()
+
+    def turn(self, url: str, model: str) -> LinkTurn:
+        with self._lock:
+            link = self._links.get((url, model))
+            if link is None or not link.alive:
+                link = self._links[(url, model)] = TokenLink(url, model, self.sealer)
+        return link.turn()
