@@ -1,7 +1,9 @@
 """The `decode` Triton model (decoupled): maps the transfer's adapter hash through this server's registry, replays W
 positions under that adapter, then streams token ids (a response per token with `stream`, or one for the several
 that came while its responder was busy, or within `stream_interval_ms` of a turn's last response; else one aggregated
-response) for the relay on the prefill server to turn into text (python_backend/triton/front.py).
+response) for the relay on the prefill server to turn into text (python_backend/triton/front.py). A streamed turn
+that names its relay's open token link gets its tokens there instead, with every other turn's of that relay in one
+response a responder pass (`TokenLink`, below; the relay's side: python_backend/triton/token_link.py).
 
 Every request is a handed turn of the scheduler (python_backend/core/scheduler.py), which replays and decodes all
 of them together, each under its own adapter (in one batch on torch and ONNX Runtime, a row at a time on TensorRT):

@@ -188,3 +188,36 @@ def test_remote_decode_holds_the_last_answer_until_the_link_brought_every_token(
     monkeypatch.setattr(front, "_client", lambda url: client_sending([Streamed(final=True)]))
     with pytest.raises(RequestError, match="without its last answer"):
         list(front.remote_decode("decode:1", "decode", {}, timeout_s=5, turn=dropped))
+
+
+def test_a_token_link_hands_each_entry_to_its_turn_and_fails_them_all_when_it_breaks():
+    """The link's responses (decode's `_link_batch`) go entry by entry to the turns they name, each with the fixed
+    outputs of its first; an entry of a turn that has ended is dropped. An error on the link fails every turn
+    waiting on it, and the link is not used again (TokenLinks opens another)."""
+    import json
+    import threading
+
+    from python_backend.triton.token_link import TokenLink
+
+    link = TokenLink.__new__(TokenLink)  # its stream is not opened: the responses are handed in below
+    link.id, link.alive, link._turns, link._lock = 7, True, {}, threading.Lock()
+    link._numbers = iter(range(1, 10))
+    first, second = link.turn(), link.turn()
+    gone = link.turn()
+    gone.close()
+    batch = [{"turn": 1, "ids": [4, 5], "fresh": 2, "output_tokens": 2, "meta": {"applied_adapter": "chat"}},
+             {"turn": 2, "ids": [6], "fresh": 1, "output_tokens": 1, "meta": {"applied_adapter": "coding"}},
+             {"turn": 3, "ids": [9], "fresh": 1, "output_tokens": 1},
+             {"turn": 1, "ids": [4, 5, 8], "fresh": 1, "output_tokens": 3}]
+    link._on_response(Streamed(_link_batch=np.array([json.dumps(batch).encode()], dtype=object)), None)
+    answers = [first.queue.get_nowait()[0] for _ in range(2)]
+    assert [answer.as_numpy("_ids").tolist() for answer in answers] == [[4, 5], [4, 5, 8]]
+    assert [answer.as_numpy("applied_adapter")[0] for answer in answers] == [b"chat", b"chat"]
+    assert second.queue.get_nowait()[0].as_numpy("applied_adapter")[0] == b"coding"
+    assert gone.queue.empty() and first.queue.empty()
+
+    link._on_response(None, "connection reset")
+    assert not link.alive
+    for turn in (first, second):
+        result, error = turn.queue.get_nowait()
+        assert result is None and "its token link failed: connection reset" in error
