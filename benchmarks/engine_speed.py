@@ -217,16 +217,31 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     save_figure(figure, path)
 
 
+def add_engine_options(parser) -> None:
+    """--threads, --model and --onnx-dir, as the engine benchmarks take them."""
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch and ONNX Runtime threads (default 1: steadiest on a shared machine, as the server "
+                             "runs them)")
+    parser.add_argument("--model", type=Path, default=None, help="model folder (default: the demo's, ced/demo.py)")
+    parser.add_argument("--onnx-dir", type=Path, help="built ONNX engine (default: exported once and cached)")
+
+
+def demo_model() -> Path:
+    """The demo every command uses (ced/demo.py), said as the benchmark starts."""
+    from ced.demo import resolve_demo
+
+    demo = resolve_demo()
+    print(demo.describe())
+    return demo.model_dir
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="512-token context, 16 decode steps, 3 repeats")
     parser.add_argument("--context", type=int, help="tokens prefilled (default 2048)")
     parser.add_argument("--decode", type=int, help="decode steps (default 64)")
     parser.add_argument("--repeats", type=int, help="interleaved repeats (default 7)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch and ONNX Runtime threads (default 1: steadiest on a shared machine)")
-    parser.add_argument("--model", type=Path, default=None, help="model folder (default: the demo's, ced/demo.py)")
-    parser.add_argument("--onnx-dir", type=Path, help="built ONNX engine (default: exported once and cached)")
+    add_engine_options(parser)
     parser.add_argument("--trt-dir", type=Path, help="built TensorRT engine: adds a tensorrt row (GPU)")
     parser.add_argument("--json", help="write the table as JSON rows here")
     add_plot_option(parser, "artifacts/benchmarks/engine_speed.png")
@@ -236,12 +251,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     context = args.context or (512 if args.quick else 2048)
     n_decode = args.decode or (16 if args.quick else 64)
     repeats = args.repeats or (3 if args.quick else 7)
-    if args.model is None:
-        from ced.demo import resolve_demo
-
-        demo = resolve_demo()
-        print(demo.describe())
-        args.model = demo.model_dir
+    args.model = args.model or demo_model()
 
     serving, cpus = make_engine("torch", args.model), len(os.sched_getaffinity(0))  # chunk threads as the server's
     family = family_of(args.model).name

@@ -37,6 +37,7 @@ from ced.engines import make_engine
 from ced.ort_batched import OrtBatchedEngine
 
 from ._report import add_plot_option, markdown_table, median_spread, plot_path, save_figure, write_json
+from .engine_speed import add_engine_options, demo_model
 
 COLUMNS = ["rows", "variant", "ms_per_step", "ms_min", "ms_max", "tokens_per_s", "vs_torch", "products",
            "load_1min"]
@@ -181,10 +182,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--context", type=int, default=100, help="tokens prefilled a row (default 100)")
     parser.add_argument("--steps", type=int, help="decode steps timed a repeat (default 40)")
     parser.add_argument("--repeats", type=int, help="interleaved repeats (default 5)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch and ONNX Runtime threads (default 1, as the server runs them)")
-    parser.add_argument("--model", type=Path, default=None, help="model folder (default: the demo's, ced/demo.py)")
-    parser.add_argument("--onnx-dir", type=Path, help="built ONNX engine (default: exported once and cached)")
+    add_engine_options(parser)
     parser.add_argument("--json", help="write the table as JSON rows here")
     add_plot_option(parser, "artifacts/benchmarks/onnxruntime_ceiling.png")
     args = parser.parse_args(argv)
@@ -193,12 +191,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     row_counts = [int(n) for n in (args.rows or ("16" if args.quick else "1,4,16")).split(",")]
     n_steps = args.steps or (10 if args.quick else 40)
     repeats = args.repeats or (2 if args.quick else 5)
-    if args.model is None:
-        from ced.demo import resolve_demo
-
-        demo = resolve_demo()
-        print(demo.describe())
-        args.model = demo.model_dir
+    args.model = args.model or demo_model()
     exported = make_engine("onnxruntime", args.model, engine_dir=args.onnx_dir, threads=args.threads)
     torch_engine = make_engine("torch", args.model)
     adapters = [name for name in ADAPTERS if (args.model.parent / "adapters" / name).is_dir()]
