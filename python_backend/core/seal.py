@@ -8,7 +8,8 @@ an HMAC-SHA256, under a secret the server makes at start, over the fields that n
 asked of it (the conversation id, the transfer metadata, a sha256 of the state bytes, route-only, return-state,
 end-of-conversation). The stage checks the seal before it touches the store; a missing or wrong one is refused
 with a 400. The state decode hands back is sealed the same way, and the relay stores only a state whose seal
-checks out.
+checks out. A relay's token link to decode (the stream its turns' tokens come on) is opened with a seal over its
+id, and each turn's seal names the link and the turn's number on it.
 
 The secret: 32 random bytes, hex, in a file only its owner may read (0600). `mol2 serve` writes a fresh one at
 every start under its work folder, or takes `--secret-file PATH` (created when missing); the file's path reaches
@@ -147,8 +148,8 @@ class Sealer:
 
 # -- what each internal stage's seal covers ----------------------------------------------------------------------
 
-PREFILL, DECODE, RETURNED, LINK = "prefill", "decode", "decoded", "link"  # the purposes: a seal for one is no
-# seal for another
+# the purposes: a seal for one is no seal for another
+PREFILL, DECODE, RETURNED, LINK = "prefill", "decode", "decoded", "link"
 
 
 def prefill_fields(conversation_id: str | None, route_only: bool, text_ids, route_start: int | None = None) -> dict:
