@@ -37,18 +37,18 @@ class LinkAnswer:
         self._entry, self._meta = entry, meta
 
     def as_numpy(self, name: str) -> np.ndarray | None:
-        entry = self._entry
         if name == "_ids":
-            return np.asarray(entry["ids"], dtype=np.int64)
-        if name in ("_fresh", "output_tokens", "replayed_tokens"):
-            value = self.fresh if name == "_fresh" else entry[name] if name in entry else self._meta.get(name)
-            return None if value is None else np.array([value], dtype=np.int32)
+            return np.asarray(self._entry["ids"], dtype=np.int64)
+        if name == "_fresh":
+            return np.array([self.fresh], dtype=np.int32)
         if name == "_last":
             return np.array([False])
         if name == "finish_reason":  # as decode's answers before the last: empty
             return np.array([b""], dtype=object)
-        value = entry.get(name) if name == "logprobs" else self._meta.get(name)
-        return None if value is None else np.array([value.encode("utf-8")], dtype=object)
+        value = self._entry.get(name, self._meta.get(name))  # its own (output_tokens, logprobs), else the turn's
+        if value is None:
+            return None
+        return np.array([value], dtype=np.int32) if isinstance(value, int) else np.array([value.encode()], dtype=object)
 
 
 class LinkTurn:
