@@ -166,6 +166,8 @@ class DecodeModel:
         except Exception as error:  # noqa: BLE001 - this request's error response, the others go on
             sender.send(failure_response(self.pb, error, "decode"), flags=self.final)
             return
+        for gone in [open_link for open_link in self.links.values() if open_link.sender.is_cancelled()]:
+            gone.close()  # a relay that restarted left its old link here: forgotten as its new one opens
         self.links[link] = TokenLink(self, sender, requested_outputs(request))
 
     def hand_over(self, parsed: ParsedDecode, sender, wanted: frozenset[str]) -> None:

@@ -359,7 +359,8 @@ def test_decode_sends_a_relays_streamed_tokens_on_its_token_link(pb, config):
     """A relay's token link (`_link_open`, sealed): the streamed turns that name it get their tokens there, every
     turn's that the responder has in one response (`_link_batch`), each turn's ids in order, its fixed outputs with
     its first; its own stream carries only its last answer, which counts them. A turn naming a link that is not open
-    streams on its own stream; an unsealed `_link_open` is refused."""
+    streams on its own stream; an unsealed `_link_open` is refused; a link whose relay went is ended and forgotten
+    when another opens."""
     model = DecodeModel(pb, config("decode"))
     link = Request(("_link_batch",), _link_open=np.array([7], np.int64),
                    _seal=Sealer.from_environment().seal(LINK, **link_fields(7)))
@@ -397,6 +398,11 @@ def test_decode_sends_a_relays_streamed_tokens_on_its_token_link(pb, config):
         assert entry["ids"][-3:] == alone_ids  # the same turn, greedy: the same tokens whichever way they go
         assert entry["meta"]["applied_adapter"] == "chat" and entry["meta"]["conversation_id_out"] == f"l{i}"
     assert pb.counts[("mol2_link_tokens_total", ())] == 12
+    link.sender.is_cancelled = lambda: True  # its relay restarted: the old link goes as the new one opens
+    again = Request(("_link_batch",), _link_open=np.array([9], np.int64),
+                    _seal=Sealer.from_environment().seal(LINK, **link_fields(9)))
+    model.execute([again])
+    assert list(model.links) == [9] and link.sender.sent[-1] == (None, FINAL)
     model.finalize()
 
 
