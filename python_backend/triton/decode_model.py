@@ -71,6 +71,9 @@ class ParsedDecode:
     replayed: int = 0
 
 
+LINK_CHECK_S = 1.0  # an idle responder looks this often for token links whose relay has gone
+
+
 class DecodeModel:
     def __init__(self, pb, model_config: dict):
         require_decoupled(pb, model_config, "decode")
@@ -100,11 +103,21 @@ class DecodeModel:
         self.counters.close()
 
     def _respond(self) -> None:
-        while (work := self._responses.get()) is not None:
+        while True:
+            try:
+                work = self._responses.get(timeout=LINK_CHECK_S)
+            except queue.Empty:  # idle: end the links whose relay has gone, or Triton waits for them to stop
+                work = self._end_closed_links
+            if work is None:
+                return
             try:
                 work()
             except Exception:  # noqa: BLE001 - a client gone mid-stream must not stop the others' responses
                 self.pb.Logger.log_error(f"decode: a response could not be sent: {traceback.format_exc()}")
+
+    def _end_closed_links(self) -> None:
+        for link in [link for link in self.links.values() if link.sender.is_cancelled()]:
+            link.close()
 
     def idle(self, timeout_s: float = 60.0) -> bool:
         """Whether every handed turn has been answered within `timeout_s` (tests)."""
@@ -166,8 +179,6 @@ class DecodeModel:
         except Exception as error:  # noqa: BLE001 - this request's error response, the others go on
             sender.send(failure_response(self.pb, error, "decode"), flags=self.final)
             return
-        for gone in [open_link for open_link in self.links.values() if open_link.sender.is_cancelled()]:
-            gone.close()  # a relay that restarted left its old link here: forgotten as its new one opens
         self.links[link] = TokenLink(self, sender, requested_outputs(request))
 
     def hand_over(self, parsed: ParsedDecode, sender, wanted: frozenset[str]) -> None:

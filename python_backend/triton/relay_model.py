@@ -33,9 +33,10 @@ class RelayModel:
         store = settings.open_store(config)  # this server's idle timeout and limits
         self.counters = Counters(pb, "relay")  # the bytes of state on the wire, each way
         sealer = Sealer.from_environment()
+        self.links = TokenLinks(sealer)  # the streamed turns' tokens come on one stream (token_link.py)
         self.relay = Relay(bls_call(pb), store, parameters["router_model"], parameters["decode_url"],
                            parameters["decode_model"], sealer, count=self.counters.count,
-                           tokenizer=ChatTokenizer(settings.model_dir), links=TokenLinks(sealer))
+                           tokenizer=ChatTokenizer(settings.model_dir), links=self.links)
         # Turns wait on the decode server: many run at once, each in its own thread.
         self.pool = ThreadPoolExecutor(max_workers=int(parameters.get("max_turns_in_flight", "64")))
 
@@ -47,6 +48,7 @@ class RelayModel:
 
     def finalize(self) -> None:
         self.pool.shutdown(wait=True)
+        self.links.close()  # its request cancelled: the decode server ends it (or that server waits for it to stop)
         self.counters.close()
 
     def serve(self, fields: dict, sender, wanted: frozenset[str]) -> None:

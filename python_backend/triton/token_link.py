@@ -20,12 +20,14 @@ import logging
 import queue
 import secrets
 import threading
+from typing import Callable
 
 import numpy as np
 
 from ..core.seal import LINK, Sealer, link_fields
 
 log = logging.getLogger("mol2.relay")
+LINK_IDLE_S = 1.0  # a link with no turn this long is closed (TokenLinks)
 
 
 class LinkAnswer:
@@ -67,9 +69,11 @@ class LinkTurn:
 class TokenLink:
     """An open link to one decode model: its stream, and the turns waiting on it."""
 
-    def __init__(self, url: str, model: str, sealer: Sealer):
+    def __init__(self, url: str, model: str, sealer: Sealer,
+                 on_idle: Callable[["TokenLink"], None] = lambda link: None):
         import tritonclient.grpc as grpcclient
 
+        self.on_idle = on_idle  # called when its last turn ends
         self.id = secrets.randbits(63) or 1
         self.alive = True
         self._turns: dict[int, LinkTurn] = {}
@@ -92,6 +96,13 @@ class TokenLink:
     def forget(self, turn: LinkTurn) -> None:
         with self._lock:
             self._turns.pop(turn.number, None)
+            idle = not self._turns
+        if idle:
+            self.on_idle(self)
+
+    def idle(self) -> bool:
+        with self._lock:
+            return not self._turns
 
     def _on_response(self, result, error) -> None:
         """On tritonclient's thread: each entry to its turn's queue."""
@@ -108,6 +119,15 @@ class TokenLink:
                 turn.meta.update(entry.get("meta", ()))
                 turn.queue.put((LinkAnswer(entry, turn.meta), None))
 
+    def close(self) -> None:
+        """This relay stops: the link's request is cancelled (decode then ends it) and its thread joined."""
+        self.alive = False
+        try:
+            self.client.stop_stream(cancel_requests=True)
+            self.client.close()
+        except Exception as error:  # noqa: BLE001 - the stream had failed already
+            log.debug("closing a token link: %s", error)
+
     def _failed(self, error) -> None:
         self.alive = False
         message = error.message() if hasattr(error, "message") else str(error)
@@ -120,7 +140,8 @@ class TokenLink:
 
 class TokenLinks:
     """This relay process's links, one per decode server and model, opened on the first streamed turn and again
-    after one fails."""
+    after one fails or idles. A link with no turn for LINK_IDLE_S is closed: the decode server holds it as a request
+    in flight, which a stopping tritonserver waits for (30 s) unless the relay has let it go."""
 
     def __init__(self, sealer: Sealer):
         self.sealer = sealer
@@ -128,8 +149,26 @@ class TokenLinks:
         self._lock = threading.Lock()
 
     def turn(self, url: str, model: str) -> LinkTurn:
-        with self._lock:
+        with self._lock:  # a turn is on its link before that link can be closed as idle
             link = self._links.get((url, model))
             if link is None or not link.alive:
-                link = self._links[(url, model)] = TokenLink(url, model, self.sealer)
-        return link.turn()
+                link = self._links[(url, model)] = TokenLink(url, model, self.sealer, self._when_idle)
+            return link.turn()
+
+    def _when_idle(self, link: TokenLink) -> None:
+        timer = threading.Timer(LINK_IDLE_S, self._close_if_idle, (link,))
+        timer.daemon = True
+        timer.start()
+
+    def _close_if_idle(self, link: TokenLink) -> None:
+        with self._lock:
+            if not link.idle() or link not in self._links.values():
+                return
+            self._links = {key: open_link for key, open_link in self._links.items() if open_link is not link}
+        link.close()
+
+    def close(self) -> None:
+        with self._lock:
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.close()

@@ -200,7 +200,7 @@ def test_a_token_link_hands_each_entry_to_its_turn_and_fails_them_all_when_it_br
     from python_backend.triton.token_link import TokenLink
 
     link = TokenLink.__new__(TokenLink)  # its stream is not opened: the responses are handed in below
-    link.id, link.alive, link._turns, link._lock = 7, True, {}, threading.Lock()
+    link.id, link.alive, link._turns, link._lock, link.on_idle = 7, True, {}, threading.Lock(), lambda link: None
     link._numbers = iter(range(1, 10))
     first, second = link.turn(), link.turn()
     gone = link.turn()
@@ -221,3 +221,37 @@ def test_a_token_link_hands_each_entry_to_its_turn_and_fails_them_all_when_it_br
     for turn in (first, second):
         result, error = turn.queue.get_nowait()
         assert result is None and "its token link failed: connection reset" in error
+
+
+def test_token_links_close_a_link_that_has_had_no_turn_for_a_while(monkeypatch):
+    """A decode server holds a relay's link as a request in flight, which a stopping tritonserver waits for: the
+    relay closes a link once its last turn has been gone LINK_IDLE_S, never one a turn is on."""
+    import time
+
+    import python_backend.triton.token_link as token_link
+
+    monkeypatch.setattr(token_link, "LINK_IDLE_S", 0.01)
+    closed = []
+
+    class Link:  # what TokenLinks asks of a link
+        alive = True
+
+        def __init__(self, turns):
+            self.turns = turns
+
+        def idle(self):
+            return self.turns == 0
+
+        def close(self):
+            closed.append(self)
+
+    links = token_link.TokenLinks(SEALER)
+    busy, idle = Link(1), Link(0)
+    links._links = {("a:1", "decode"): busy, ("b:1", "decode"): idle}
+    for link in (busy, idle):
+        links._when_idle(link)  # as each one's last turn ended; `busy` has a turn again since
+    deadline = time.monotonic() + 5
+    while not closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # the other timer has fired too
+    assert closed == [idle] and list(links._links.values()) == [busy]
