@@ -129,6 +129,8 @@ class TokenLink:
             log.debug("closing a token link: %s", error)
 
     def _failed(self, error) -> None:
+        if not self.alive:  # closed here (idle, or the relay stops): its own cancellation is no failure
+            return
         self.alive = False
         message = error.message() if hasattr(error, "message") else str(error)
         log.warning("token link to decode failed: %s", message)

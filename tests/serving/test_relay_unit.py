@@ -222,6 +222,13 @@ def test_a_token_link_hands_each_entry_to_its_turn_and_fails_them_all_when_it_br
         result, error = turn.queue.get_nowait()
         assert result is None and "its token link failed: connection reset" in error
 
+    closed = TokenLink.__new__(TokenLink)  # closed by its relay: the cancellation that follows fails nothing
+    closed.alive, closed._turns, closed._lock, closed.on_idle = False, {}, threading.Lock(), lambda link: None
+    closed._numbers = iter(range(1, 10))
+    waiting = closed.turn()
+    closed._on_response(None, "Locally cancelled by application!")
+    assert waiting.queue.empty()
+
 
 def test_token_links_close_a_link_that_has_had_no_turn_for_a_while(monkeypatch):
     """A decode server holds a relay's link as a request in flight, which a stopping tritonserver waits for: the
